@@ -1,0 +1,50 @@
+# Diffusion-GR2 — every target sets up .venv from requirements/lock.txt first (the one lock file).
+SHELL := /bin/bash
+PY := .venv/bin/python
+VENV_STAMP := .venv/.installed
+FIND_LINKS ?= /opt/wheels
+PROFILE ?= quick
+DATASET ?= ml-100k
+BENCH_DATASET ?= amazon_beauty
+export PYTHONUNBUFFERED := 1
+
+.DEFAULT_GOAL := help
+.PHONY: help install run bench test test-fast lint format compile lock clean
+
+help: ## list targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+
+$(VENV_STAMP): requirements/lock.txt pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install --quiet --disable-pip-version-check uv==0.13.9
+	.venv/bin/uv pip install --quiet --python $(PY) -r requirements/lock.txt $(if $(wildcard $(FIND_LINKS)),--find-links $(FIND_LINKS))
+	.venv/bin/uv pip install --quiet --python $(PY) --no-deps -e .
+	touch $@
+
+install: $(VENV_STAMP) ## create .venv from the lock file (idempotent)
+
+run: install ## whole pipeline locally (kfp.local) on the embedded default (MovieLens-100K, quick profile)
+	$(PY) -m pipelines.run_local --profile $(PROFILE) --dataset $(DATASET)
+
+bench: install ## benchmark profile (DATASET=amazon_beauty by default); writes benchmarks/<dataset>.json/.md
+	$(PY) -m pipelines.run_local --profile bench --dataset $(if $(filter command line,$(origin DATASET)),$(DATASET),$(BENCH_DATASET)) --benchmark-dir benchmarks
+
+test: install ## all tests
+	$(PY) -m pytest -q -x --durations=10
+
+lint: install ## ruff check + format check
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+format: install ## apply ruff fixes and formatting
+	.venv/bin/ruff check --fix .
+	.venv/bin/ruff format .
+
+compile: install ## compile the KFP pipeline to YAML (build/pipeline.yaml)
+	$(PY) -m pipelines.cli pipeline compile --output build/pipeline.yaml
+
+lock: ## re-compile requirements/lock.txt from requirements/requirements.in
+	uv pip compile --python-version 3.11 --find-links $(FIND_LINKS) requirements/requirements.in -o requirements/lock.txt
+
+clean: ## remove caches and run outputs (keeps .venv)
+	rm -rf .cache runs build .pytest_cache .ruff_cache

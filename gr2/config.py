@@ -1,0 +1,134 @@
+"""Frozen dataclass configs, loaded from YAML profiles (profiles/<name>.yaml).
+
+One `Profile` holds every stage's settings so a run is described by a single file plus overrides.
+Sections a stage does not use are simply ignored by it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    history_len: int = 20  # H: most recent items before the target kept as history
+    n_candidates: int = 10  # N: candidate list length (the paper's N = 10)
+    max_train_examples: int = 0  # 0 = all retrieval-hit training lists
+    max_eval_examples: int = 0  # 0 = all (validation/test)
+
+
+@dataclass(frozen=True)
+class RetrieverConfig:
+    window: int = 3  # co-occurrence window (positions) inside a user's training sequence
+    recent: int = 5  # how many recent history items vote for candidates
+    decay: float = 0.7  # recency weight decay per step back in history
+
+
+@dataclass(frozen=True)
+class LTRConfig:
+    model: str = "gbdt"  # "gbdt" | "logreg"
+    max_train_lists: int = 20000
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    d_ff: int = 512
+    max_len: int = 512
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    lr: float = 1e-3
+    batch_size: int = 32
+    max_steps: int = 1000
+    epochs: float = 3.0
+    warmup: int = 50
+    weight_decay: float = 0.01
+    answer_weight: float = 1.0  # lambda_o
+    trace_weight: float = 0.5  # lambda_r < lambda_o (GR2)
+    checkpoint_every: int = 200
+    log_every: int = 20
+
+
+@dataclass(frozen=True)
+class DiffusionConfig:
+    block_size: int = 8
+    taus: tuple[float, ...] = (1.0, 0.9, 0.6, 0.4)
+    eval_tau: float = 0.9
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    min_validity: float = 0.99
+    max_gap_to_ar: float = 0.01
+    min_speedup: float = 2.4
+    require_beats_floor: bool = True
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str = "quick"
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    ltr: LTRConfig = field(default_factory=LTRConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: TrainConfig = field(default_factory=TrainConfig)
+    cft: TrainConfig = field(default_factory=TrainConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    bootstrap_samples: int = 1000
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+    """Build a (nested) frozen dataclass from a dict, rejecting unknown keys by name."""
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(known)}")
+    kwargs: dict[str, Any] = {}
+    for name, value in raw.items():
+        default = getattr(cls(), name) if name in known else None
+        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+            kwargs[name] = _build(type(default), value, f"{where}.{name}")
+        elif isinstance(default, tuple):
+            kwargs[name] = tuple(value)
+        else:
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def profile_from_dict(raw: dict[str, Any], where: str = "profile") -> Profile:
+    return _build(Profile, raw, where)
+
+
+def load_profile(name_or_path: str, overrides: dict[str, Any] | None = None) -> Profile:
+    """Load `profiles/<name>.yaml` (or a path), then apply dotted overrides like {"sft.max_steps": 10}."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PROFILE_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        available = sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+        raise FileNotFoundError(f"profile {name_or_path!r} not found ({path}); available: {available}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    raw.setdefault("name", path.stem)
+    return profile_from_dict(raw, where=str(path))

@@ -32,6 +32,15 @@ class RetrieverConfig:
 
 
 @dataclass(frozen=True)
+class EvidenceConfig:
+    top_k: int = 200  # neighbours kept per item in the served tables (transition and co-occurrence lists)
+    window: int = 3  # co-occurrence window (positions), as the retriever's
+    recent: int = 5  # recent history items that vote for "transition from any recent item"
+    decay: float = 0.7  # recency weight decay per step back in history
+    max_title_tokens: int = 32  # title tokens kept per item (content similarity)
+
+
+@dataclass(frozen=True)
 class LTRConfig:
     model: str = "gbdt"  # "gbdt" | "logreg"
     max_train_lists: int = 20000
@@ -44,6 +53,9 @@ class ModelConfig:
     n_head: int = 4
     d_ff: int = 512
     max_len: int = 512
+    n_kv_head: int = 0  # 0 = n_head (no grouped-query attention)
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,13 @@ class TrainConfig:
     trace_weight: float = 0.5  # lambda_r < lambda_o (GR2)
     checkpoint_every: int = 200
     log_every: int = 20
+    seed: int = 0  # batch order and per-step noise derive from (seed, step): resume replays them exactly
+    grad_clip: float = 1.0
+    schedule: str = "cosine"  # "cosine" (linear warmup, cosine to min_lr_ratio * lr) | "constant" (OPD/RL)
+    min_lr_ratio: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    keep_checkpoints: int = 2  # newest checkpoints kept in out_dir/checkpoints
 
 
 @dataclass(frozen=True)
@@ -65,6 +84,10 @@ class DiffusionConfig:
     block_size: int = 8
     taus: tuple[float, ...] = (1.0, 0.9, 0.6, 0.4)
     eval_tau: float = 0.9
+    noise_eps: float = 1e-3  # CFT noise level t ~ U(noise_eps, 1] per block (bounds the 1/t weight)
+    complementary: bool = True  # CFT: second view masks exactly the complement (Fast-dLLM v2)
+    loss_weighting: str = "inv_t"  # "inv_t" (masked-diffusion ELBO weight 1/t) | "none"
+    pad_weight: float = 0.0  # loss weight of block-padding positions after the response (0 = excluded)
 
 
 @dataclass(frozen=True)
@@ -76,17 +99,54 @@ class GateConfig:
 
 
 @dataclass(frozen=True)
+class SIDConfig:
+    n_levels: int = 3  # residual k-means (RQ) levels; a 4th de-dup level is appended (TIGER)
+    codebook_size: int = 0  # K per level; 0 = derive from catalog size (pow2 >= 2 sqrt(n_items), in [16, max])
+    max_codebook_size: int = 256  # TIGER: 3 x 256 for Beauty's 12k items
+    kmeans_iters: int = 20
+    balanced: bool = True  # Sinkhorn-balanced assignment: even code usage -> more unique prefixes
+    svd_dim: int = 32  # collaborative item factors (truncated SVD of training co-occurrence)
+    cooc_window: int = 5  # positions inside a training sequence that count as co-occurring
+    content_weight: float = 1.0  # title embedding block (all-MiniLM-L6-v2)
+    collab_weight: float = 1.0
+    category_weight: float = 0.5  # category TF-IDF block (also the content when there are no titles)
+    text_batch_size: int = 128
+    text_max_tokens: int = 48
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    n_buckets: int = 4  # evidence bucket tokens per feature (0..n_buckets-1)
+    max_labels: int = 26  # candidate labels in the vocabulary (A..Z); N <= max_labels
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    l2: float = 1e-3  # ridge on the conditional-logit weights
+    max_train_lists: int = 50000  # training lists used to fit the teacher (0 = all)
+    temperature: float = 1.0  # Plackett-Luce / Gumbel-top-k sampling temperature
+    max_tries: int = 8  # rejection sampling: samples per example before it is dropped
+    greedy_first: bool = True  # first try = the teacher's own ranking
+    top_k: int = 3  # candidates explained in the trace (DESIGN: top-3 with evidence)
+    reasons_per_item: int = 2
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str = "quick"
     seed: int = 0
     data: DataConfig = field(default_factory=DataConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
     ltr: LTRConfig = field(default_factory=LTRConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: TrainConfig = field(default_factory=TrainConfig)
     cft: TrainConfig = field(default_factory=TrainConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     gate: GateConfig = field(default_factory=GateConfig)
+    sid: SIDConfig = field(default_factory=SIDConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     bootstrap_samples: int = 1000
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,142 @@
+"""Feast I/O: per-run feature store config, apply + materialize, point-in-time extraction, online reads.
+
+A run's feature store lives in one folder (`store_dir`): its own feature_store.yaml (the local template with
+absolute registry / online-store paths), registry.db and online_store.db. The definitions are the ones in
+feature_repo/ (entities.py, features.py, services.py), built for the run's sources folder.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from components._lib.paths import FEATURE_REPO, LOCAL_FS_YAML
+
+ENTITY_OFFSET = timedelta(seconds=1)  # entity timestamp = target event time - 1 s (docs/CONTRACTS.md)
+
+
+def definitions(sources_dir: str | Path) -> list[Any]:
+    """Entities, feature views and the feature service of feature_repo/, reading `sources_dir`'s parquet."""
+    if str(FEATURE_REPO) not in sys.path:  # the repo files import each other the way `feast apply` runs them
+        sys.path.insert(0, str(FEATURE_REPO))
+    entities = importlib.import_module("entities")
+    features = importlib.import_module("features")
+    services = importlib.import_module("services")
+    user_history, item_features = features.build_views(str(Path(sources_dir).resolve()))
+    return [
+        entities.user,
+        entities.item,
+        user_history,
+        item_features,
+        services.build_service(user_history, item_features),
+    ]
+
+
+def write_store_yaml(store_dir: str | Path, template: str | Path = LOCAL_FS_YAML) -> Path:
+    """Copy the local yaml into `store_dir` with its registry and sqlite paths pointing inside it."""
+    store = Path(store_dir).resolve()
+    store.mkdir(parents=True, exist_ok=True)
+    cfg = yaml.safe_load(Path(template).read_text())
+    cfg["registry"] = str(store / "registry.db")
+    cfg["online_store"] = {**cfg["online_store"], "path": str(store / "online_store.db")}
+    path = store / "feature_store.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def open_store(store_dir: str | Path, fs_yaml: str | Path | None = None):
+    """A FeatureStore for a run folder (or for an environment yaml such as envs/prod.feature_store.yaml)."""
+    from feast import FeatureStore
+
+    yaml_path = Path(fs_yaml) if fs_yaml else Path(store_dir).resolve() / "feature_store.yaml"
+    return FeatureStore(repo_path=str(FEATURE_REPO), fs_yaml_file=yaml_path)
+
+
+def apply_and_materialize(
+    sources_dir: str | Path, store_dir: str | Path, fs_yaml: str | Path | None = None
+) -> dict:
+    """`feast apply` the definitions for `sources_dir`, then materialize every row into the online store."""
+    if not fs_yaml:
+        write_store_yaml(store_dir)
+    store = open_store(store_dir, fs_yaml)
+    objs = definitions(sources_dir)
+    store.apply(objs)
+    uh = pd.read_parquet(Path(sources_dir) / "user_history.parquet", columns=["event_timestamp"])
+    it = pd.read_parquet(Path(sources_dir) / "item_features.parquet", columns=["event_timestamp"])
+    start = min(uh["event_timestamp"].min(), it["event_timestamp"].min()) - ENTITY_OFFSET
+    end = max(uh["event_timestamp"].max(), it["event_timestamp"].max()) + ENTITY_OFFSET
+    store.materialize(start_date=start.to_pydatetime(), end_date=end.to_pydatetime())
+    return {
+        "project": store.project,
+        "feature_views": sorted(fv.name for fv in store.list_feature_views()),
+        "feature_services": sorted(s.name for s in store.list_feature_services()),
+        "materialized": [start.isoformat(), end.isoformat()],
+    }
+
+
+def target_entities(interactions: pd.DataFrame) -> pd.DataFrame:
+    """One entity row per target position 1..n-1 of each user: split label, target item, lookup time.
+
+    Split (TIGER, leave-one-out by position): n-1 test, n-2 val, 1..n-3 train (docs/CONTRACTS.md).
+    """
+    inter = interactions
+    n = inter.groupby("user_id", sort=False)["seq_idx"].transform("size").to_numpy()
+    pos = inter["seq_idx"].to_numpy()
+    keep = pos >= 1
+    split = pd.Series("train", index=inter.index)
+    split[pos == n - 2] = "val"
+    split[pos == n - 1] = "test"
+    ent = pd.DataFrame(
+        {
+            "user_id": inter["user_id"].to_numpy(),
+            "split": split.to_numpy(),
+            "target_pos": pos.astype("int64"),
+            "event_ts": pd.to_datetime(inter["event_ts"], utc=True).to_numpy(),
+            "target": inter["item_id"].to_numpy(),
+        }
+    )[keep].reset_index(drop=True)
+    ent["event_ts"] = pd.to_datetime(ent["event_ts"], utc=True)
+    ent["item_id"] = ent["target"]  # the feature service also joins item features; they are dropped below
+    ent["event_timestamp"] = ent["event_ts"] - ENTITY_OFFSET
+    return ent
+
+
+def historical_targets(store, interactions: pd.DataFrame, service: str = "reranker_v1") -> pd.DataFrame:
+    """Targets with their history read by a point-in-time join through the feature service.
+
+    Columns: example_id, user_id, split, target_pos, event_ts, history, target (docs/CONTRACTS.md order),
+    sorted by user_id then target_pos.
+    """
+    ent = target_entities(interactions)
+    fs = store.get_feature_service(service)
+    df = store.get_historical_features(entity_df=ent, features=fs).to_df()
+    if len(df) != len(ent):  # the `file` offline store drops rows (STACK.md 4); refuse silently short data
+        raise RuntimeError(f"point-in-time join returned {len(df)} rows for {len(ent)} entity rows")
+    df = df.sort_values(["user_id", "target_pos"], kind="stable").reset_index(drop=True)
+    history = [
+        [] if h is None or (isinstance(h, float) and pd.isna(h)) else [str(x) for x in h]
+        for h in df["history"]
+    ]
+    out = pd.DataFrame(
+        {
+            "example_id": df["user_id"] + ":" + df["target_pos"].astype(str),
+            "user_id": df["user_id"].astype(str),
+            "split": df["split"].astype(str),
+            "target_pos": df["target_pos"].astype("int64"),
+            "event_ts": pd.to_datetime(df["event_ts"], utc=True).astype("datetime64[ns, UTC]"),
+            "history": history,
+            "target": df["target"].astype(str),
+        }
+    )
+    return out
+
+
+def online_features(store, rows: list[dict[str, str]], service: str = "reranker_v1") -> dict[str, list]:
+    """Online lookup through the feature service (what serving reads)."""
+    return store.get_online_features(features=store.get_feature_service(service), entity_rows=rows).to_dict()

@@ -1,0 +1,121 @@
+"""Ingest: the parquet files that back the feature store and every later step.
+
+A sources folder holds
+  interactions.parquet  the dataset's interactions (+ `event_ts`, from gr2.data.event_times)
+  items.parquet         the catalog (item_id, title, categories)
+  user_history.parquet  Feast source: one row per interaction, history = last H items up to and including it
+  item_features.parquet Feast source: one snapshot row per item, title/categories + evidence item tables
+  meta.json             dataset name, H, snapshot, row counts
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from gr2.data.dataset import Dataset
+from gr2.data.split import event_times
+
+TS = "event_timestamp"
+
+
+def user_history_rows(interactions: pd.DataFrame, ts: pd.Series, history_len: int) -> pd.DataFrame:
+    """One row per interaction: the last `history_len` item ids up to and including it (oldest -> newest)."""
+    items = interactions["item_id"].to_numpy(dtype=object)
+    users = interactions["user_id"].to_numpy(dtype=object)
+    # Interactions are sorted by user then seq_idx, so each user's rows are a contiguous slice.
+    starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]])
+    ends = np.r_[starts[1:], len(users)]
+    history: list[list[str]] = []
+    for s, e in zip(starts, ends, strict=True):
+        seq = items[s:e].tolist()
+        history.extend(seq[max(0, i + 1 - history_len) : i + 1] for i in range(len(seq)))
+    return pd.DataFrame(
+        {
+            "user_id": interactions["user_id"].to_numpy(),
+            TS: ts.to_numpy(),
+            "history": history,
+            "history_len": np.array([len(h) for h in history], dtype=np.int64),
+        }
+    )
+
+
+def item_feature_rows(
+    items: pd.DataFrame, item_tables: pd.DataFrame | None, snapshot_ts: pd.Timestamp
+) -> pd.DataFrame:
+    """One row per catalog item stamped `snapshot_ts`; evidence columns joined on item_id."""
+    out = items[["item_id", "title", "categories"]].copy()
+    out["categories"] = [list(c) for c in out["categories"]]
+    if item_tables is not None and len(item_tables.columns) > 1:
+        extra = item_tables.drop(columns=[c for c in ("title", "categories") if c in item_tables.columns])
+        out = out.merge(extra, on="item_id", how="left", validate="one_to_one")
+    out.insert(1, TS, pd.Series([snapshot_ts] * len(out), dtype="datetime64[ns, UTC]"))
+    return out
+
+
+def write_sources(
+    dataset: Dataset,
+    out_dir: str | Path,
+    history_len: int,
+    item_tables: pd.DataFrame | None = None,
+    snapshot_date: str = "",
+) -> dict:
+    """Write the sources folder (see module docstring); returns meta.json's content."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    inter = dataset.interactions.reset_index(drop=True)
+    ts = event_times(inter).reset_index(drop=True)
+    inter = inter.assign(event_ts=ts.to_numpy())
+    inter.to_parquet(out / "interactions.parquet", index=False)
+    dataset.items.to_parquet(out / "items.parquet", index=False)
+    user_history_rows(inter, ts, history_len).to_parquet(out / "user_history.parquet", index=False)
+    # The item snapshot is stamped before the first event: the tables describe the catalog as seen by the
+    # training data (gr2.evidence fits on training targets only), so every example may read them.
+    snapshot_ts = ts.min() - pd.Timedelta(days=1)
+    item_feature_rows(dataset.items, item_tables, snapshot_ts).to_parquet(
+        out / "item_features.parquet", index=False
+    )
+    if item_tables is not None:  # config + bucket edges to rebuild gr2.evidence.Evidence from the served table
+        (out / "evidence.json").write_text(json.dumps(item_tables.attrs.get("evidence", {}), default=str))
+    meta = {
+        "dataset": dataset.name,
+        "history_len": history_len,
+        "snapshot_date": snapshot_date,
+        "item_snapshot_ts": snapshot_ts.isoformat(),
+        "min_event_ts": ts.min().isoformat(),
+        "max_event_ts": ts.max().isoformat(),
+        "n_interactions": len(inter),
+        "n_users": int(inter["user_id"].nunique()),
+        "n_items": len(dataset.items),
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def read_meta(sources_dir: str | Path) -> dict:
+    return json.loads((Path(sources_dir) / "meta.json").read_text())
+
+
+def read_dataset(sources_dir: str | Path, event_ts: bool = True) -> Dataset:
+    """The Dataset back from a sources folder (with `event_ts` in interactions unless event_ts=False)."""
+    src = Path(sources_dir)
+    items = pd.read_parquet(src / "items.parquet")
+    items["categories"] = [list(c) for c in items["categories"]]
+    inter = pd.read_parquet(src / "interactions.parquet")
+    if not event_ts:
+        inter = inter.drop(columns="event_ts")
+    return Dataset(name=read_meta(src)["dataset"], interactions=inter, items=items)
+
+
+def read_table(path: str | Path) -> pd.DataFrame:
+    """A targets / examples parquet with list columns as Python lists (as gr2 builds them)."""
+    df = pd.read_parquet(path)
+    for col in ("history", "candidates"):
+        if col in df:
+            df[col] = [[str(x) for x in v] for v in df[col]]
+    if "retriever_scores" in df:
+        df["retriever_scores"] = [[float(x) for x in v] for v in df["retriever_scores"]]
+    return df

@@ -1,0 +1,284 @@
+"""Artifact store for models and reports: S3 via boto3, or a local folder (the default).
+
+Layout (keys relative to the store root, `<prefix>` = GR2_S3_PREFIX or "reranker"):
+
+    <prefix>/<run_id>/<stage>/<attempt>/...        the uploaded files of one upload attempt
+    <prefix>/<run_id>/<stage>/manifest.json        written LAST: names the complete attempt + file hashes
+    <prefix>/production.json                       the production pointer; only `promote()` writes it
+
+Atomic from a reader's view without renames (S3 has none): every upload goes to a fresh `<attempt>`
+sub-prefix, and a single PUT of `manifest.json` publishes it. Readers only trust the manifest, download
+exactly the files it lists and verify their sha256, so a crash mid-upload leaves orphan objects under an
+unpublished attempt while readers keep seeing the previous complete version. The production pointer is
+likewise one PUT, written only by an explicit `promote()` of a stage whose manifest is complete.
+
+Configuration (params override env): S3_ENDPOINT_URL (MinIO / moto / any S3), GR2_S3_BUCKET (setting it
+selects S3), GR2_S3_PREFIX; GR2_ARTIFACT_ROOT for the local backend (default `runs/artifacts`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+MANIFEST = "manifest.json"
+POINTER = "production.json"
+DEFAULT_PREFIX = "reranker"
+DEFAULT_LOCAL_ROOT = "runs/artifacts"
+
+
+class ArtifactError(RuntimeError):
+    """A missing, incomplete or corrupt artifact (names the key)."""
+
+
+class Backend(Protocol):
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+    def get_bytes(self, key: str) -> bytes | None: ...  # None when the key does not exist
+    def upload_file(self, key: str, path: Path) -> None: ...
+    def download_file(self, key: str, path: Path) -> None: ...
+    def uri(self, key: str) -> str: ...
+
+
+class LocalBackend:
+    """A folder standing in for a bucket. Single-object writes are atomic (temp file + os.replace)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        p = self._path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.{uuid.uuid4().hex}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, p)
+
+    def get_bytes(self, key: str) -> bytes | None:
+        p = self._path(key)
+        return p.read_bytes() if p.is_file() else None
+
+    def upload_file(self, key: str, path: Path) -> None:
+        self.put_bytes(key, Path(path).read_bytes())
+
+    def download_file(self, key: str, path: Path) -> None:
+        data = self.get_bytes(key)
+        if data is None:
+            raise ArtifactError(f"{self.uri(key)}: missing")
+        Path(path).write_bytes(data)
+
+    def uri(self, key: str) -> str:
+        return str(self._path(key).resolve())
+
+
+class S3Backend:
+    """boto3 S3 client; `endpoint_url` points it at MinIO/moto (path-style addressing for those)."""
+
+    def __init__(self, bucket: str, endpoint_url: str | None = None, client: Any = None):
+        import boto3  # lazy: the local backend must work without boto3
+        from botocore.config import Config
+
+        self.bucket = bucket
+        self.client = client or boto3.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 3, "mode": "standard"}),
+        )
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+
+    def get_bytes(self, key: str) -> bytes | None:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            return None
+
+    def upload_file(self, key: str, path: Path) -> None:
+        self.client.upload_file(str(path), self.bucket, key)
+
+    def download_file(self, key: str, path: Path) -> None:
+        try:
+            self.client.download_file(self.bucket, key, str(path))
+        except Exception as e:  # botocore ClientError 404 on head_object
+            raise ArtifactError(f"{self.uri(key)}: download failed ({e})") from e
+
+    def uri(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run_id: str
+    stage: str
+    attempt: str
+    uri: str  # where the attempt's files live (a KServe storageUri for model stages)
+    files: dict[str, dict[str, Any]]  # relative path -> {"sha256", "size"}
+    created_at: str
+    metadata: dict[str, Any]
+
+    def to_json(self) -> bytes:
+        return (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_name(what: str, value: str) -> None:
+    # run ids and stage names become key segments: no separators, no hidden/relative names
+    if not value or "/" in value or value.startswith(".") or value != value.strip():
+        raise ValueError(f"{what} {value!r}: must be a non-empty key segment without '/' or a leading '.'")
+
+
+class ArtifactStore:
+    def __init__(self, backend: Backend, prefix: str = DEFAULT_PREFIX):
+        self.backend = backend
+        self.prefix = prefix.strip("/")
+
+    def _key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    # --- writes -------------------------------------------------------------------------------
+    def upload(
+        self,
+        run_id: str,
+        stage: str,
+        src_dir: str | Path | None = None,
+        report: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Manifest:
+        """Upload a directory (e.g. a model dir) and/or a report dict as one attempt, then publish it.
+
+        The report is stored as `report.json` beside the files. Publishing = writing the manifest last.
+        """
+        _check_name("run_id", run_id)
+        _check_name("stage", stage)
+        attempt = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+        base = self._key(run_id, stage, attempt)
+        files: dict[str, dict[str, Any]] = {}
+        if src_dir is not None:
+            src = Path(src_dir)
+            if not src.is_dir():
+                raise ArtifactError(f"{src}: not a directory")
+            for p in sorted(src.rglob("*")):
+                if p.is_file():
+                    rel = p.relative_to(src).as_posix()
+                    files[rel] = {"sha256": _sha256(p), "size": p.stat().st_size}
+                    self.backend.upload_file(f"{base}/{rel}", p)
+        if report is not None:
+            data = (json.dumps(report, indent=2, sort_keys=True) + "\n").encode()
+            if "report.json" in files:
+                raise ArtifactError(f"{src_dir}: contains report.json and a report was passed too")
+            files["report.json"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+            self.backend.put_bytes(f"{base}/report.json", data)
+        if not files:
+            raise ArtifactError(f"{run_id}/{stage}: nothing to upload (no files and no report)")
+        manifest = Manifest(
+            run_id=run_id,
+            stage=stage,
+            attempt=attempt,
+            uri=self.backend.uri(base),
+            files=files,
+            created_at=dt.datetime.now(dt.UTC).isoformat(),
+            metadata=dict(metadata or {}),
+        )
+        self.backend.put_bytes(self._key(run_id, stage, MANIFEST), manifest.to_json())  # publish
+        return manifest
+
+    def promote(self, run_id: str, stage: str, record: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Point `production` at a complete (run_id, stage). The only writer of the pointer.
+
+        `record` carries what the next gate compares against (model name, recall@1, ...).
+        """
+        m = self.manifest(run_id, stage)
+        if m is None:
+            raise ArtifactError(
+                f"{self.backend.uri(self._key(run_id, stage))}: no complete upload to promote"
+            )
+        pointer = {
+            "run_id": run_id,
+            "stage": stage,
+            "attempt": m.attempt,
+            "uri": m.uri,
+            "promoted_at": dt.datetime.now(dt.UTC).isoformat(),
+            **(record or {}),
+        }
+        self.backend.put_bytes(
+            self._key(POINTER), (json.dumps(pointer, indent=2, sort_keys=True) + "\n").encode()
+        )
+        return pointer
+
+    # --- reads --------------------------------------------------------------------------------
+    def manifest(self, run_id: str, stage: str) -> Manifest | None:
+        raw = self.backend.get_bytes(self._key(run_id, stage, MANIFEST))
+        if raw is None:
+            return None
+        try:
+            return Manifest(**json.loads(raw))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ArtifactError(
+                f"{self.backend.uri(self._key(run_id, stage, MANIFEST))}: corrupt ({e})"
+            ) from e
+
+    def production(self) -> dict[str, Any] | None:
+        """The production record, or None when nothing was promoted yet."""
+        raw = self.backend.get_bytes(self._key(POINTER))
+        return None if raw is None else json.loads(raw)
+
+    def download(self, run_id: str, stage: str, dest: str | Path) -> Path:
+        """Download the published attempt of (run_id, stage) into `dest`, verifying every file's sha256."""
+        m = self.manifest(run_id, stage)
+        if m is None:
+            raise ArtifactError(
+                f"{self.backend.uri(self._key(run_id, stage))}: no complete upload (no manifest)"
+            )
+        dest = Path(dest)
+        base = self._key(run_id, stage, m.attempt)
+        for rel, info in m.files.items():
+            out = dest / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            self.backend.download_file(f"{base}/{rel}", out)
+            if _sha256(out) != info["sha256"]:
+                raise ArtifactError(f"{self.backend.uri(f'{base}/{rel}')}: sha256 mismatch with the manifest")
+        return dest
+
+    def download_production(self, dest: str | Path) -> Path:
+        p = self.production()
+        if p is None:
+            raise ArtifactError(f"{self.backend.uri(self._key(POINTER))}: nothing in production")
+        return self.download(p["run_id"], p["stage"], dest)
+
+    def report(self, run_id: str, stage: str) -> dict[str, Any] | None:
+        m = self.manifest(run_id, stage)
+        if m is None or "report.json" not in m.files:
+            return None
+        raw = self.backend.get_bytes(self._key(run_id, stage, m.attempt, "report.json"))
+        return None if raw is None else json.loads(raw)
+
+
+def open_store(
+    bucket: str | None = None,
+    prefix: str | None = None,
+    endpoint_url: str | None = None,
+    local_root: str | Path | None = None,
+) -> ArtifactStore:
+    """The configured store: S3 when a bucket is given (param or GR2_S3_BUCKET), else the local folder."""
+    bucket = bucket or os.environ.get("GR2_S3_BUCKET") or None
+    prefix = prefix if prefix is not None else os.environ.get("GR2_S3_PREFIX", DEFAULT_PREFIX)
+    if bucket:
+        endpoint_url = endpoint_url or os.environ.get("S3_ENDPOINT_URL") or None
+        return ArtifactStore(S3Backend(bucket, endpoint_url=endpoint_url), prefix=prefix)
+    root = local_root or os.environ.get("GR2_ARTIFACT_ROOT", DEFAULT_LOCAL_ROOT)
+    return ArtifactStore(LocalBackend(root), prefix=prefix)

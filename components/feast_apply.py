@@ -1,0 +1,15 @@
+"""KFP component: `feast apply` the feature repo over the ingested sources and materialize the online store."""
+
+from kfp import dsl
+from kfp.dsl import Artifact, Dataset, Input, Output
+
+from components._image import COMPONENT_KWARGS
+
+
+@dsl.component(**COMPONENT_KWARGS)
+def feast_apply(sources: Input[Dataset], feature_store: Output[Artifact], fs_yaml: str = ""):
+    """Registry + online store in the `feature_store` folder (or the environment yaml `fs_yaml`)."""
+    from components._lib import steps
+
+    info = steps.feast_apply(sources.path, feature_store.path, fs_yaml)
+    feature_store.metadata.update(info)

@@ -1,0 +1,230 @@
+"""Greedy decoders: AR with a KV cache, and threshold-commit block diffusion (PAPER 3.5), each returning nfe.
+
+Small pure functions in the style of LLaDA / Fast-dLLM `generate.py`. Both take unpadded prompts (lists of token
+ids), left-pad them (see gr2/model.py for the layout) and return `tokens` [B, max_new_tokens]. A row is finished
+once it has an eos with every position before it decoded; positions the decoder never wrote after that are
+filled with eos. Read a row up to its first eos: with block_size > 1, tokens committed after the eos inside the
+same block are kept as decoded (the trajectory must replay them) and mean nothing.
+
+nfe = number of model forward calls for the whole batch, prefill included. For AR generating L tokens that is
+exactly L (the prefill yields the first token). Block diffusion, per block: one forward per commit round,
+except a round where only the block's first position is still masked: its logits come from the last clean
+token before the block and do not depend on the canvas, so it is committed without a forward. The forward that
+stores a finished block's KV is folded into the next block's first round (Fast-dLLM v2): the input is
+[finished block, canvas] under the block-causal mask, the finished block's KV is kept and the canvas KV
+dropped (`DynamicCache.crop`). So block_size = 1 diffusion is AR exactly, nfe included, and
+nfe = 1 + n_blocks when every block commits in one round.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from gr2.model import attention_rows, block_causal_mask, position_ids_for
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists -> (ids [B, P], pad_lens [B])."""
+    P = max(len(p) for p in prompts)
+    if min(len(p) for p in prompts) == 0:
+        raise ValueError("empty prompt: every prompt needs at least one token (e.g. bos)")
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+    pad_lens = torch.tensor([P - len(p) for p in prompts], dtype=torch.long)
+    return ids.to(device), pad_lens.to(device)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _pad_id(model: torch.nn.Module) -> int:
+    pad = model.config.pad_token_id
+    return 0 if pad is None else int(pad)
+
+
+@torch.no_grad()
+def ar_generate(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int | None,
+    use_cache: bool = True,
+) -> tuple[torch.Tensor, int]:
+    """Greedy AR decoding, batched with left padding. Returns (tokens [B, max_new_tokens], nfe).
+
+    use_cache=False re-runs the whole sequence every step (reference path for tests).
+    """
+    dev = _device(model)
+    ids, pad_lens = left_pad(prompts, _pad_id(model), dev)
+    B, P = ids.shape
+    out = torch.full((B, max_new_tokens), eos_id if eos_id is not None else _pad_id(model), device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    seq = ids
+    cache = DynamicCache() if use_cache else None
+    nfe = 0
+    fed = 0  # columns already in the cache
+    for t in range(max_new_tokens):
+        cols = torch.arange(fed if use_cache else 0, seq.shape[1], device=dev)
+        attn = (torch.arange(seq.shape[1], device=dev)[None, :] >= pad_lens[:, None]).long()
+        logits = model(
+            input_ids=seq[:, cols],
+            attention_mask=attn,
+            position_ids=position_ids_for(pad_lens, cols),
+            cache=cache,
+            use_cache=use_cache,
+        ).logits[:, -1]
+        nfe += 1
+        fed = seq.shape[1]
+        tok = logits.argmax(-1)
+        if eos_id is not None:
+            tok = torch.where(done, torch.full_like(tok, eos_id), tok)
+        out[:, t] = tok
+        if eos_id is not None:
+            done |= tok == eos_id
+            if bool(done.all()):
+                break
+        seq = torch.cat([seq, tok[:, None]], dim=1)
+    return out, nfe
+
+
+def select_commits(logits: torch.Tensor, masked: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The commit rule: every masked position with top-1 prob >= tau, plus the single most confident one.
+
+    logits [B, C, V] (already token-shifted: row j predicts canvas position j), masked [B, C].
+    Returns (commit [B, C] bool, greedy tokens [B, C]). Rows with nothing masked commit nothing.
+    """
+    conf, pred = logits.float().softmax(-1).max(-1)
+    conf = conf.masked_fill(~masked, -1.0)
+    commit = masked & (conf >= tau)
+    rows = torch.nonzero(masked.any(-1)).squeeze(-1)
+    commit[rows, conf[rows].argmax(-1)] = True  # forced arg-max: progress even when nothing clears tau
+    return commit, pred
+
+
+def _crop_to(cache: DynamicCache, length: int) -> None:
+    """Truncate the cache to its first `length` columns (`crop` takes the number to remove, negated)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _finished(block: torch.Tensor, committed: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[B] rows with a committed eos in `block` whose every earlier block position is committed."""
+    before = torch.cat([torch.ones_like(committed[:, :1]), committed[:, :-1].long().cumprod(-1).bool()], dim=1)
+    return (committed & (block == eos_id) & before).any(-1)
+
+
+@torch.no_grad()
+def diffusion_generate(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    block_size: int,
+    tau: float,
+    mask_id: int,
+    eos_id: int | None,
+    use_cache: bool = True,
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Block-diffusion greedy decoding with threshold commits. Returns (tokens, nfe, trajectory).
+
+    Blocks of `block_size` are aligned at the response start (the last one is cut at max_new_tokens). Each
+    block starts as a canvas of `mask_id`; each round predicts every masked position with the AR token shift
+    (position j from hidden j-1; position 0 from the last clean token before the block) and commits per
+    `select_commits`. The prompt is prefilled once into a DynamicCache; finished blocks are appended to it.
+
+    trajectory [B, max_new_tokens]: the commit round (0-based, counted over the whole call and shared by the
+    batch) at which each token was committed; -1 = eos filler written after the row finished. To replay the
+    canvas a token was predicted from (RL): its block holds the tokens with a smaller round, masks elsewhere.
+
+    use_cache=False is the reference path: every round re-runs prompt + finished blocks + canvas under
+    `block_causal_mask` (same tokens and trajectory; more compute; it runs a forward every round).
+    """
+    dev = _device(model)
+    ids, pad_lens = left_pad(prompts, _pad_id(model), dev)
+    B, P = ids.shape
+    L = max_new_tokens
+    fill = eos_id if eos_id is not None else mask_id
+    resp = torch.full((B, L), mask_id, dtype=torch.long, device=dev)
+    traj = torch.full((B, L), -1, dtype=torch.long, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    nfe, rnd = 0, 0
+
+    cache, anchor = None, None
+    if use_cache:
+        cache = DynamicCache()
+        cols = torch.arange(P, device=dev)
+        attn = (cols[None, :] >= pad_lens[:, None]).long()
+        anchor = model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=position_ids_for(pad_lens, cols),
+            cache=cache,
+            use_cache=True,
+        ).logits[:, -1]
+        nfe += 1
+
+    end = 0  # response columns reached so far
+    for s0 in range(0, L, block_size):
+        if bool(done.all()):
+            break
+        cl = min(block_size, L - s0)
+        end = s0 + cl
+        block = resp[:, s0 : s0 + cl]  # view: writes land in resp
+        committed = torch.zeros(B, cl, dtype=torch.bool, device=dev)
+        committed[done] = True
+        block[done] = fill
+        pending = use_cache and s0 > 0  # previous block's KV not yet in the cache
+        shifted = None
+        while True:
+            masked = ~committed
+            if not bool(masked.any()):
+                break
+            if not use_cache:
+                T = P + s0 + cl
+                cols = torch.arange(T, device=dev)
+                logits = model(
+                    input_ids=torch.cat([ids, resp[:, : s0 + cl]], dim=1),
+                    attention_mask=block_causal_mask(P, T, block_size, pad_lens),
+                    position_ids=position_ids_for(pad_lens, cols),
+                ).logits
+                nfe += 1
+                shifted = logits[:, P + s0 - 1 : P + s0 + cl - 1]
+            elif pending or bool(masked[:, 1:].any()):
+                n_pend = block_size if pending else 0
+                q0 = P + s0 - n_pend
+                cols = torch.arange(q0, P + s0 + cl, device=dev)
+                inp = torch.cat([resp[:, s0 - n_pend : s0], block], dim=1)
+                logits = model(
+                    input_ids=inp,
+                    attention_mask=attention_rows(P, cols, P + s0 + cl, block_size, pad_lens),
+                    position_ids=position_ids_for(pad_lens, cols),
+                    cache=cache,
+                    use_cache=True,
+                ).logits
+                nfe += 1
+                _crop_to(cache, P + s0)  # keep prompt + finished blocks, drop the canvas
+                if pending:
+                    anchor = logits[:, n_pend - 1]
+                    pending = False
+                shifted = torch.cat([anchor[:, None], logits[:, n_pend : n_pend + cl - 1]], dim=1)
+            else:  # only position 0 masked: its logits (anchor) do not depend on the canvas
+                shifted = anchor[:, None]
+            masked = masked[:, : shifted.shape[1]]
+            commit, pred = select_commits(shifted, masked, tau)
+            c = commit.shape[1]
+            block[:, :c] = torch.where(commit, pred, block[:, :c])
+            traj[:, s0 : s0 + c][commit] = rnd
+            committed[:, :c] |= commit
+            rnd += 1
+            if eos_id is not None:
+                newly = _finished(block, committed, eos_id) & ~done
+                if bool(newly.any()):
+                    done |= newly
+                    rest = newly[:, None] & ~committed
+                    block[rest] = fill
+                    committed |= newly[:, None]
+    resp[:, end:] = fill  # blocks never reached because every row had finished
+    return resp, nfe, traj

@@ -1,0 +1,299 @@
+"""Per-candidate evidence features, computed only from per-item tables a feature store can serve.
+
+Per item (one row of `item_tables()`, what goes to Feast): its top-K next-item transitions (item -> next
+item in a training sequence) and top-K windowed co-occurrences with counts, its training popularity, its
+categories and its title tokens. Per (history, candidate) we compute FEATURE_NAMES:
+
+  trans_last        log1p T[last history item, c]
+  trans_recent      log1p sum_k decay^k T[h_k, c] over the `recent` newest history items
+  cooc_hist         log1p sum_k decay^k C[h_k, c] over the whole history
+  popularity        log1p training count of c
+  category_overlap  recency-weighted share of history items carrying c's categories (mean over them)
+  title_sim         cosine of c's TF-IDF title vector with the recency-weighted history profile
+  retriever_rank    position of c in the retriever's list (0 = first)
+
+Fitting and serving both compute features from the K-truncated tables, so they agree exactly. For a
+training example the example's own target interaction is subtracted from the counts (`own_target`), as
+in the retriever, so training and test features have the same distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+from gr2.config import EvidenceConfig
+from gr2.retriever import _index_sequences, cooccurrence_counts, steps_back
+
+FEATURE_NAMES = (
+    "trans_last",
+    "trans_recent",
+    "cooc_hist",
+    "popularity",
+    "category_overlap",
+    "title_sim",
+    "retriever_rank",
+)
+N_BUCKETS = 4
+_STOP = {"the", "and", "of", "for", "with", "in", "to", "by", "on", "an", "or", "oz", "fl", "ounce", "pack"}
+
+
+def title_tokens(title: str, max_tokens: int) -> list[str]:
+    """Lower-cased alphanumeric tokens of length >= 2, stop words dropped, unique, in order."""
+    toks = [t for t in re.findall(r"[a-z0-9]+", title.lower()) if len(t) >= 2 and t not in _STOP]
+    return list(dict.fromkeys(toks))[:max_tokens]
+
+
+def _top_k(m: sp.csr_matrix, k: int) -> sp.csr_matrix:
+    """Keep each row's k largest counts (ties: smaller column = smaller item id first)."""
+    coo = m.tocoo()
+    o = np.lexsort((coo.col, -coo.data, coo.row))
+    r, c, v = coo.row[o], coo.col[o], coo.data[o]
+    starts = np.searchsorted(r, np.arange(m.shape[0]))
+    rank = np.arange(len(r)) - starts[r]
+    keep = rank < k
+    return sp.csr_matrix((v[keep], (r[keep], c[keep])), shape=m.shape)
+
+
+class _Pairs:
+    """Fast (row, col) -> value lookups into a sparse matrix via sorted int64 keys."""
+
+    def __init__(self, m: sp.csr_matrix):
+        coo = m.tocoo()
+        self.n = m.shape[1]
+        keys = coo.row.astype(np.int64) * self.n + coo.col
+        o = np.argsort(keys)
+        self.keys, self.vals = keys[o], coo.data[o].astype(np.float64)
+
+    def get(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(rows))
+        ok = (rows >= 0) & (cols >= 0)
+        if not len(self.keys) or not ok.any():
+            return out
+        k = rows[ok] * self.n + cols[ok]
+        j = np.minimum(np.searchsorted(self.keys, k), len(self.keys) - 1)
+        out[ok] = np.where(self.keys[j] == k, self.vals[j], 0.0)
+        return out
+
+
+class Evidence:
+    def __init__(self, config: EvidenceConfig | None = None):
+        self.config = config or EvidenceConfig()
+        self.bucket_edges: np.ndarray | None = None  # [F, N_BUCKETS - 1]
+
+    # ------------------------------------------------------------------ fitting and tables
+    @classmethod
+    def fit(
+        cls, train_seqs: Mapping[str, Sequence[str]], items: pd.DataFrame, config: EvidenceConfig | None = None
+    ) -> Evidence:
+        """Count transitions, co-occurrences and popularity on training sequences (positions 0..n-3)."""
+        cfg = config or EvidenceConfig()
+        seqs = list(train_seqs.values())
+        ids = sorted(set(items["item_id"]) | {x for s in seqs for x in s})
+        index = {x: i for i, x in enumerate(ids)}
+        _, flat = _index_sequences(seqs, index)
+        pop = np.bincount(flat, minlength=len(ids))
+        trans = _top_k(cooccurrence_counts(seqs, index, 1, directed=True), cfg.top_k)
+        cooc = _top_k(cooccurrence_counts(seqs, index, cfg.window), cfg.top_k)
+        meta = items.set_index("item_id").reindex(ids)
+        cats = [list(c) if isinstance(c, list | tuple | np.ndarray) else [] for c in meta["categories"]]
+        titles = meta["title"].fillna("").astype(str)
+        table = pd.DataFrame(
+            {
+                "item_id": ids,
+                "popularity": pop.astype(np.int64),
+                "trans_ids": _row_lists(trans, np.asarray(ids, dtype=object)),
+                "trans_counts": _row_lists(trans),
+                "cooc_ids": _row_lists(cooc, np.asarray(ids, dtype=object)),
+                "cooc_counts": _row_lists(cooc),
+                "categories": cats,
+                "title_tokens": [title_tokens(t, cfg.max_title_tokens) for t in titles],
+            }
+        )
+        return cls.from_item_tables(table, {"config": dataclasses.asdict(cfg), "bucket_edges": None})
+
+    def item_tables(self) -> pd.DataFrame:
+        """One row per item (what the feature store serves); `attrs["evidence"]` holds config and buckets."""
+        df = self._table.copy()
+        df.attrs["evidence"] = self.meta()
+        return df
+
+    def meta(self) -> dict:
+        edges = None if self.bucket_edges is None else self.bucket_edges.tolist()
+        return {"config": dataclasses.asdict(self.config), "bucket_edges": edges, "features": list(FEATURE_NAMES)}
+
+    @classmethod
+    def from_item_tables(cls, df: pd.DataFrame, meta: dict | None = None) -> Evidence:
+        """Rebuild from the served tables (plus `meta` = config and bucket edges; default `df.attrs`)."""
+        meta = meta if meta is not None else df.attrs.get("evidence", {})
+        ev = cls(EvidenceConfig(**meta.get("config", {})))
+        if meta.get("bucket_edges") is not None:
+            ev.bucket_edges = np.asarray(meta["bucket_edges"], dtype=np.float64)
+        df = df.sort_values("item_id", kind="stable").reset_index(drop=True)
+        ev._table = df
+        ev.items = df["item_id"].to_numpy(dtype=object)
+        ev.index = {x: i for i, x in enumerate(ev.items)}
+        n = len(ev.items)
+        ev.pop = df["popularity"].to_numpy(np.float64)
+        ev.trans = _Pairs(_from_lists(df["trans_ids"], df["trans_counts"], ev.index, n))
+        ev.cooc = _Pairs(_from_lists(df["cooc_ids"], df["cooc_counts"], ev.index, n))
+        ev.cats = _multi_hot(df["categories"])
+        tf = _multi_hot(df["title_tokens"])
+        idf = np.log((1 + n) / (1 + np.asarray((tf > 0).sum(0)).ravel())) + 1.0
+        tfidf = sp.csr_matrix(tf.multiply(idf[None, :]))
+        norms = np.sqrt(np.asarray(tfidf.multiply(tfidf).sum(1)).ravel())
+        ev.title_vec = sp.csr_matrix(sp.diags(1.0 / np.maximum(norms, 1e-12)) @ tfidf)
+        return ev
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._table.to_parquet(path / "item_tables.parquet", index=False)
+        (path / "evidence.json").write_text(json.dumps(self.meta(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Evidence:
+        path = Path(path)
+        meta = json.loads((path / "evidence.json").read_text())
+        return cls.from_item_tables(pd.read_parquet(path / "item_tables.parquet"), meta)
+
+    # ------------------------------------------------------------------ features
+    def features(self, history: Sequence[str], candidates: Sequence[str], own_target: str | None = None) -> np.ndarray:
+        """[N, F] features of one list (history oldest -> newest, candidates in retriever order)."""
+        return self.features_batch([history], [candidates], [own_target])[0]
+
+    def features_batch(
+        self,
+        histories: Sequence[Sequence[str]],
+        candidates: Sequence[Sequence[str]],
+        own_targets: Sequence[str | None] | None = None,
+    ) -> np.ndarray:
+        """[B, N, F] features; all lists have the same length N."""
+        cfg = self.config
+        B = len(histories)
+        N = len(candidates[0]) if B else 0
+        cand = np.array([[self.index.get(c, -1) for c in cs] for cs in candidates], dtype=np.int64).reshape(B, N)
+        own = list(own_targets) if own_targets is not None else [None] * B
+        tgt = np.array([self.index.get(t, -1) if t is not None else -1 for t in own], dtype=np.int64)
+        rows, flat = _index_sequences(histories, self.index)
+        back = steps_back(rows, B)
+        w = cfg.decay ** back.astype(np.float64)
+        last_item = np.full(B, -1, np.int64)
+        last_item[rows[back == 0]] = flat[back == 0]
+        # How many of the `window` positions just before the target hold each slot's item: the pairs the
+        # own target interaction added to C[h_k, target]; T[h_k, target] got one iff h_k is the last item.
+        near = (back < cfg.window) & (flat >= 0)
+        near_keys, near_cnt = np.unique(rows[near] * len(self.items) + flat[near], return_counts=True)
+        slot_keys = np.where(flat >= 0, rows * len(self.items) + flat, -1)
+        cooc_own = np.zeros(len(flat))
+        if len(near_keys):
+            j = np.minimum(np.searchsorted(near_keys, slot_keys), len(near_keys) - 1)
+            cooc_own = np.where(near_keys[j] == slot_keys, near_cnt[j], 0).astype(np.float64)
+        trans_own = (flat == last_item[rows]).astype(np.float64)
+
+        X = np.zeros((B, N, len(FEATURE_NAMES)))
+        one = np.ones(B)
+        X[:, :, 0] = self._vote(self.trans, np.arange(B), last_item, one, one, cand, tgt)
+        rec = back < cfg.recent
+        X[:, :, 1] = self._vote(self.trans, rows[rec], flat[rec], w[rec], trans_own[rec], cand, tgt)
+        X[:, :, 2] = self._vote(self.cooc, rows, flat, w, cooc_own, cand, tgt)
+        X[:, :, :3] = np.log1p(X[:, :, :3])
+        pop = np.where(cand >= 0, self.pop[np.maximum(cand, 0)], 0.0) - (cand == tgt[:, None]) * (cand >= 0)
+        X[:, :, 3] = np.log1p(np.maximum(pop, 0.0))
+        ok = flat >= 0
+        q = sp.csr_matrix((w[ok], (rows[ok], flat[ok])), shape=(B, len(self.items)))
+        wsum = np.asarray(q.sum(1)).ravel()
+        X[:, :, 4] = self._profile_dot(q @ self.cats, self.cats, cand, norm="mean") / np.maximum(wsum, 1e-12)[:, None]
+        X[:, :, 5] = self._profile_dot(q @ self.title_vec, self.title_vec, cand, norm="cosine")
+        X[:, :, 6] = np.arange(N)[None, :]
+        return X
+
+    @staticmethod
+    def _vote(pairs: _Pairs, rows, items, weights, own_cnt, cand, tgt) -> np.ndarray:
+        """sum over history slots (rows, items, weights) of count[item, candidate] -> [B, N]."""
+        B, N = cand.shape
+        rr = np.repeat(rows, N)
+        jj = np.tile(np.arange(N), len(rows))
+        cc = cand[rr, jj]
+        v = pairs.get(np.repeat(items, N), cc)
+        is_own = (cc == tgt[rr]) & (cc >= 0)
+        v = np.where(is_own, np.maximum(v - np.repeat(own_cnt, N), 0.0), v)
+        return np.bincount(rr * N + jj, weights=v * np.repeat(weights, N), minlength=B * N).reshape(B, N)
+
+    @staticmethod
+    def _profile_dot(profile: sp.csr_matrix, vecs: sp.csr_matrix, cand: np.ndarray, norm: str) -> np.ndarray:
+        B, N = cand.shape
+        cv = vecs[np.maximum(cand, 0).ravel()]
+        prof = sp.csr_matrix(profile)[np.repeat(np.arange(B), N)]
+        dot = np.asarray(cv.multiply(prof).sum(1)).ravel()
+        if norm == "mean":  # mean over the candidate's categories
+            dot = dot / np.maximum(np.asarray(cv.sum(1)).ravel(), 1.0)
+        else:  # cosine: candidate vectors are unit length already
+            pn = np.sqrt(np.asarray(sp.csr_matrix(profile).multiply(profile).sum(1)).ravel())
+            dot = dot / np.maximum(np.repeat(pn, N), 1e-12)
+        return np.where(cand.ravel() >= 0, dot, 0.0).reshape(B, N)
+
+    # ------------------------------------------------------------------ buckets for prompts
+    def fit_buckets(self, X: np.ndarray) -> np.ndarray:
+        """Edges from training features ([..., F]): bucket 0 = at the minimum, 1..3 = terciles above it."""
+        flat = X.reshape(-1, X.shape[-1])
+        edges = np.zeros((flat.shape[1], N_BUCKETS - 1))
+        for f in range(flat.shape[1]):
+            x = flat[:, f]
+            lo = float(x.min()) if len(x) else 0.0
+            above = x[x > lo]
+            qs = np.quantile(above, [1 / 3, 2 / 3]) if len(above) else [lo, lo]
+            edges[f] = [lo, *qs]
+        self.bucket_edges = edges
+        return edges
+
+    def buckets(self, X: np.ndarray) -> np.ndarray:
+        """Integer buckets 0..3 per feature (same shape as X); needs fit_buckets first."""
+        if self.bucket_edges is None:
+            raise RuntimeError("Evidence.buckets: call fit_buckets on training features first")
+        e = self.bucket_edges
+        return sum((X > e[:, i]).astype(np.int64) for i in range(e.shape[1]))
+
+
+def _row_lists(m: sp.csr_matrix, ids: np.ndarray | None = None) -> list[list]:
+    """Per row, neighbour ids (or counts) in descending count order (ties: id ascending)."""
+    m = m.tocsr()
+    out = []
+    for i in range(m.shape[0]):
+        a, b = m.indptr[i], m.indptr[i + 1]
+        cols, vals = m.indices[a:b], m.data[a:b]
+        o = np.lexsort((cols, -vals))
+        out.append(ids[cols[o]].tolist() if ids is not None else vals[o].astype(np.int64).tolist())
+    return out
+
+
+def _from_lists(ids_col: pd.Series, counts_col: pd.Series, index: Mapping[str, int], n: int) -> sp.csr_matrix:
+    rows, cols, vals = [], [], []
+    for i, (ids, counts) in enumerate(zip(ids_col, counts_col, strict=True)):
+        for x, c in zip(ids, counts, strict=True):
+            j = index.get(x)
+            if j is not None:
+                rows.append(i)
+                cols.append(j)
+                vals.append(float(c))
+    return sp.csr_matrix((vals, (rows, cols)), shape=(n, n))
+
+
+def _multi_hot(lists: pd.Series) -> sp.csr_matrix:
+    vocab: dict[str, int] = {}
+    rows, cols = [], []
+    for i, toks in enumerate(lists):
+        for t in toks if toks is not None else []:
+            rows.append(i)
+            cols.append(vocab.setdefault(str(t), len(vocab)))
+    m = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(lists), max(len(vocab), 1)))
+    m.sum_duplicates()
+    m.data[:] = 1.0
+    return m

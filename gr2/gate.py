@@ -1,0 +1,138 @@
+"""The evaluation gate (DESIGN.md, "Evaluation gate and rollout"): pure logic, no I/O.
+
+Inputs: the report rows (CONTRACTS.md report row), the candidate model's name, the data-validation result,
+the production model's record (None when nothing is in production) and a `GateConfig`. Output: `passed`
+plus one human-readable reason per rule, so the decision can be read in the report and the KFP UI.
+
+Rules (each one line in `reasons`, prefixed PASS/FAIL/SKIP):
+  data       data validation passed
+  floor      candidate recall@1 > floor recall@1 (and whether the paired 95% CI of the delta excludes zero)
+  ar_gap     ar recall@1 - candidate recall@1 <= max_gap_to_ar (only when an `ar` row exists)
+  validity   validity >= min_validity
+  speedup    speedup_vs_ar >= min_speedup (only when the row reports it)
+  production candidate recall@1 >= production recall@1 - max_drop_vs_production (only with a production model)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gr2.config import GateConfig
+
+METRIC = "recall@1"  # the headline metric every comparison uses
+FLOOR_MODEL = "floor"
+AR_MODEL = "ar"
+# Fallback while GateConfig has no such field: how much worse than production (absolute recall@1) is tolerated.
+DEFAULT_MAX_DROP_VS_PRODUCTION = 0.005
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    passed: bool
+    reasons: list[str]
+    checks: dict[str, bool | None] = field(default_factory=dict)  # rule -> passed (None = skipped)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "reasons": list(self.reasons), "checks": dict(self.checks)}
+
+
+def _row(rows: Sequence[Mapping[str, Any]], model: str) -> Mapping[str, Any] | None:
+    matches = [r for r in rows if r.get("model") == model]
+    return matches[0] if matches else None
+
+
+def _validation_passed(result: bool | Mapping[str, Any] | None) -> tuple[bool, str]:
+    """Accept a bool or a GX-like dict ({"success": bool} or {"passed": bool}, optional "failures")."""
+    if isinstance(result, bool):
+        return result, ""
+    if isinstance(result, Mapping):
+        ok = result.get("success", result.get("passed"))
+        detail = result.get("failures") or result.get("reasons") or ""
+        return bool(ok) if isinstance(ok, bool) else False, f" ({detail})" if detail else ""
+    return False, " (no validation result given)"
+
+
+def decide(
+    rows: Sequence[Mapping[str, Any]],
+    candidate: str,
+    data_validation: bool | Mapping[str, Any] | None,
+    production: Mapping[str, Any] | None,
+    cfg: GateConfig,
+) -> GateDecision:
+    """Apply the gate rules to `candidate`'s report row. Every rule is evaluated (no short-circuit)."""
+    checks: dict[str, bool | None] = {}
+    reasons: list[str] = []
+
+    def record(rule: str, ok: bool | None, text: str) -> None:
+        checks[rule] = ok
+        reasons.append(f"{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'} {rule}: {text}")
+
+    ok, detail = _validation_passed(data_validation)
+    record("data", ok, f"data validation {'passed' if ok else 'failed'}{detail}")
+
+    row = _row(rows, candidate)
+    if row is None:
+        record("candidate", False, f"no report row for candidate {candidate!r} (models: {[r.get('model') for r in rows]})")
+        return GateDecision(passed=False, reasons=reasons, checks=checks)
+    cand = float(row[METRIC])
+
+    floor = _row(rows, FLOOR_MODEL)
+    if floor is None:
+        record("floor", False if cfg.require_beats_floor else None, f"no {FLOOR_MODEL!r} row to compare against")
+    else:
+        f1 = float(floor[METRIC])
+        beats = cand > f1
+        ci = (row.get("delta_vs_floor") or {}).get(METRIC)
+        if ci is not None and len(ci) == 2:
+            lo, hi = float(ci[0]), float(ci[1])
+            excl = lo > 0 or hi < 0
+            ci_text = f"; paired 95% CI of the delta [{lo:+.4f}, {hi:+.4f}] {'excludes' if excl else 'includes'} zero"
+        else:
+            ci_text = "; no paired CI reported"
+        text = f"{METRIC} {cand:.4f} vs floor {f1:.4f} (delta {cand - f1:+.4f}){ci_text}"
+        if not cfg.require_beats_floor and not beats:
+            text += " (not required by config)"
+        record("floor", beats or (None if not cfg.require_beats_floor else False), text)
+
+    ar = _row(rows, AR_MODEL)
+    if ar is None:
+        record("ar_gap", None, f"no {AR_MODEL!r} row in the report")
+    else:
+        gap = float(ar[METRIC]) - cand
+        record(
+            "ar_gap",
+            gap <= cfg.max_gap_to_ar + 1e-12,
+            f"AR {METRIC} {float(ar[METRIC]):.4f} - candidate {cand:.4f} = {gap:+.4f} (max {cfg.max_gap_to_ar})",
+        )
+
+    validity = float(row.get("validity", 0.0))
+    record("validity", validity >= cfg.min_validity, f"validity {validity:.4f} (min {cfg.min_validity})")
+
+    speedup = row.get("speedup_vs_ar")
+    if speedup is None:
+        record("speedup", None, "row has no speedup_vs_ar")
+    else:
+        record("speedup", float(speedup) >= cfg.min_speedup, f"speedup {float(speedup):.2f}x (min {cfg.min_speedup}x)")
+
+    if production is None:
+        record("production", None, "no model in production")
+    else:
+        tol = float(getattr(cfg, "max_drop_vs_production", DEFAULT_MAX_DROP_VS_PRODUCTION))
+        prod_metric = production.get(METRIC)
+        if prod_metric is None:
+            record("production", False, f"production record has no {METRIC}: cannot compare")
+        else:
+            p = float(prod_metric)
+            who = production.get("model", "?")
+            run = production.get("run_id")
+            record(
+                "production",
+                cand >= p - tol - 1e-12,
+                f"{METRIC} {cand:.4f} vs production {who}{f' (run {run})' if run else ''} {p:.4f} "
+                f"(delta {cand - p:+.4f}, tolerance {tol})",
+            )
+
+    passed = all(v is not False for v in checks.values())
+    return GateDecision(passed=passed, reasons=reasons, checks=checks)

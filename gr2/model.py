@@ -1,0 +1,200 @@
+"""The backbone (a tiny `transformers` Llama) and the one attention mask used by every block-diffusion path.
+
+AR and block-diffusion models are the same `LlamaForCausalLM`: conversion copies the weights unchanged and only
+records `gr2_block_size` and `mask_token_id` in the config (PAPER 3.1). What changes is the attention mask that
+training and decoding pass in (`block_causal_mask`) and the AR token shift (the token at position i is read off
+the logits at position i-1), which keeps the AR next-token head meaning the same thing after conversion.
+
+Layout convention (everywhere in gr2): prompts are LEFT-padded to a common width P, so every response starts at
+column P; responses are right-padded. `pad_lens[b]` = number of left-pad columns of row b. Position ids are
+`column - pad_lens[b]`, so a row's real tokens get the same positions with or without padding.
+
+The attention implementation is pinned to "sdpa": it honours a 4D boolean mask; "eager" does not (STACK.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from gr2.config import ModelConfig
+
+ATTN_IMPLEMENTATION = "sdpa"
+META_FILE = "gr2_model.json"  # our config next to HF's config.json
+
+
+def build_model(
+    cfg: ModelConfig,
+    vocab_size: int,
+    pad_id: int,
+    eos_id: int,
+    bos_id: int | None = None,
+    mask_id: int | None = None,
+    seed: int | None = None,
+) -> LlamaForCausalLM:
+    """A freshly initialised Llama sized by `cfg`, with sdpa attention pinned.
+
+    `mask_id` may be given already (the tokenizer adds [MASK] before SFT so the AR and diffusion vocabularies are
+    the same); the model only becomes a block-diffusion model through `convert_to_diffusion`.
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+    n_kv = cfg.n_kv_head or cfg.n_head
+    hf = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=n_kv,
+        max_position_embeddings=cfg.max_len,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_dropout=0.0,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=bos_id,
+    )
+    hf.mask_token_id = mask_id
+    hf.gr2_block_size = 0  # 0 = autoregressive (causal); >0 = block diffusion with this block size
+    hf.gr2_model = dataclasses.asdict(cfg)
+    model = LlamaForCausalLM._from_config(hf, attn_implementation=ATTN_IMPLEMENTATION)
+    model.eval()
+    return model
+
+
+def n_params(model: torch.nn.Module) -> int:
+    """Unique parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def convert_to_diffusion(model: LlamaForCausalLM, block_size: int, mask_id: int) -> LlamaForCausalLM:
+    """AR -> block diffusion (PAPER 3.1): an exact copy of every tensor; only the config changes.
+
+    Block-causal attention and the token shift are applied by the callers (losses, decoder), driven by
+    `config.gr2_block_size`; no weights are added, so the naive converted model is the AR model.
+    """
+    if not 0 <= mask_id < model.config.vocab_size:
+        raise ValueError(f"mask_id {mask_id} outside the vocabulary ({model.config.vocab_size}); add it first")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    out = copy.deepcopy(model)
+    out.config.gr2_block_size = int(block_size)
+    out.config.mask_token_id = int(mask_id)
+    return out
+
+
+def save_model(model: LlamaForCausalLM, out_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    """`save_pretrained` (safetensors) plus `gr2_model.json` (our ModelConfig, block size, special ids)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    c = model.config
+    meta = {
+        "model": getattr(c, "gr2_model", None),
+        "block_size": int(getattr(c, "gr2_block_size", 0) or 0),
+        "vocab_size": c.vocab_size,
+        "pad_id": c.pad_token_id,
+        "eos_id": c.eos_token_id,
+        "bos_id": c.bos_token_id,
+        "mask_id": getattr(c, "mask_token_id", None),
+        "attn_implementation": ATTN_IMPLEMENTATION,
+        **(extra or {}),
+    }
+    (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[LlamaForCausalLM, dict[str, Any]]:
+    """Load a model saved by `save_model`; returns (model in eval mode, our meta dict)."""
+    path = Path(path)
+    model = LlamaForCausalLM.from_pretrained(path, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
+    meta_path = path / META_FILE
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    model.to(device).eval()
+    return model, meta
+
+
+def _block_end(pos: torch.Tensor, start: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Map a position to the last position of its attention group (prompt token: itself; response: its block).
+
+    Query q may attend key k iff _block_end(k) <= _block_end(q): causal in the prompt, bidirectional inside
+    a response block, causal across blocks; the prompt never sees the response.
+    """
+    rel = pos - start
+    in_resp = rel >= 0
+    end = start + torch.div(rel, block_size, rounding_mode="floor") * block_size + (block_size - 1)
+    return torch.where(in_resp, end, pos)
+
+
+def attention_rows(
+    prompt_len: int | torch.Tensor,
+    q_pos: torch.Tensor,
+    kv_len: int,
+    block_size: int,
+    pad_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows `q_pos` (1D, columns of the full sequence) of `block_causal_mask`, keys 0..kv_len-1.
+
+    The decoder uses this to build the mask of a step that feeds only the new tokens (KV cache holds the rest):
+    it is literally a slice of the training mask, so cached decoding and training cannot disagree.
+    """
+    device = q_pos.device
+    start = torch.as_tensor(prompt_len, device=device).reshape(-1, 1, 1)  # [B or 1, 1, 1]
+    q = q_pos.reshape(1, -1, 1)
+    k = torch.arange(kv_len, device=device).reshape(1, 1, -1)
+    allowed = _block_end(k, start, block_size) <= _block_end(q, start, block_size)  # [B|1, Q, K]
+    if pad_lens is not None:
+        allowed = allowed & (k >= pad_lens.to(device).reshape(-1, 1, 1))
+    # A pad query would have no key left (sdpa then returns NaN, and NaN * 0 attention still poisons
+    # matmuls); let every query see itself. Pad keys stay invisible to every real query.
+    allowed = allowed | (k == q)
+    if pad_lens is not None and allowed.shape[0] == 1:
+        allowed = allowed.expand(pad_lens.shape[0], -1, -1)
+    return allowed.unsqueeze(1)  # [B, 1, Q, K]
+
+
+def block_causal_mask(
+    prompt_len: int | torch.Tensor,
+    total_len: int,
+    block_size: int,
+    pad_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Boolean attention mask [B, 1, T, T] (True = may attend) for prompt + block-diffusion response.
+
+    `prompt_len`: column where the response starts (an int, or a [B] tensor for per-row starts); with the
+    left-padded layout it is the padded prompt width P, the same for every row. `pad_lens` [B]: left-pad
+    columns per row (their keys are hidden; each pad query sees only itself). Blocks of `block_size` are
+    aligned at the response start; the last one may be short. Example: P = 3, block_size = 2, T = 7
+    (p = prompt, a/b/c = response blocks), row = query, column = key:
+
+              p p p a a b b
+          p   1 . . . . . .
+          p   1 1 . . . . .
+          p   1 1 1 . . . .
+          a   1 1 1 1 1 . .      <- bidirectional inside block a
+          a   1 1 1 1 1 . .
+          b   1 1 1 1 1 1 1      <- block b sees the prompt and all of block a
+          b   1 1 1 1 1 1 1
+
+    With block_size = 1 this is exactly the ordinary causal mask. The logits of the token at column i are
+    read from column i-1 (AR token shift), so a block's first token is predicted by the last clean token
+    before it, and its other tokens by the (partly masked) block itself.
+    """
+    B = 1 if pad_lens is None else pad_lens.shape[0]
+    if isinstance(prompt_len, torch.Tensor) and prompt_len.numel() > 1:
+        B = prompt_len.shape[0]
+    device = pad_lens.device if pad_lens is not None else torch.device("cpu")
+    m = attention_rows(prompt_len, torch.arange(total_len, device=device), total_len, block_size, pad_lens)
+    return m.expand(B, -1, -1, -1) if m.shape[0] != B else m
+
+
+def position_ids_for(pad_lens: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Position ids [B, len(columns)] for the left-padded layout (pad columns clamp to 0)."""
+    return (columns.reshape(1, -1) - pad_lens.reshape(-1, 1)).clamp(min=0)

@@ -1,0 +1,116 @@
+"""Run the predictor (and the Feast transformer in front of it) on 127.0.0.1, as `make serve` does.
+
+    python -m serving.serve_local --model_uri runs/<id>/model --feast_repo feature_repo --port 8080
+        -> transformer on :8080, predictor on :8081 (a child process), both bound to 127.0.0.1
+    python -m serving.serve_local --role predictor --model_uri ... --port 8081
+    python -m serving.serve_local --role transformer --predictor_host 127.0.0.1:8081 --feast_repo ... --port 8080
+
+Without --feast_repo/--feast_url, `all` serves the predictor alone on --port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+import time
+import urllib.request
+
+from serving.schema import ServeConfig
+
+log = logging.getLogger("serve_local")
+
+
+def wait_ready(url: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll `url` until it answers 200 (raises if `proc` dies or the timeout passes)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server process exited with {proc.returncode} before {url} was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--role", choices=["all", "predictor", "transformer"], default="all")
+    p.add_argument("--model_name", default="reranker")
+    p.add_argument("--model_uri", help="model directory, file:// or s3:// URI (predictor)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--predictor_port", type=int, default=None, help="role all: predictor port (default port+1)")
+    p.add_argument("--predictor_host", help="role transformer: host:port of the predictor")
+    p.add_argument("--feast_repo")
+    p.add_argument("--feast_yaml", help="feature_store.yaml to use instead of the repo's (prod: Redis)")
+    p.add_argument("--feast_url")
+    p.add_argument("--unknown_user", choices=["empty", "reject"], default="empty")
+    p.add_argument("--unknown_items", choices=["reject", "pass"], default="reject")
+    p.add_argument("--max_batch", type=int, default=ServeConfig.max_batch)
+    p.add_argument("--max_wait_ms", type=float, default=ServeConfig.max_wait_ms)
+    p.add_argument("--max_body_bytes", type=int, default=ServeConfig.max_body_bytes)
+    return p.parse_known_args(argv)[0]  # kserve parses sys.argv too; tolerate its flags
+
+
+def serve_predictor(a: argparse.Namespace, cfg: ServeConfig) -> None:
+    from serving.modelserver import start_model_server
+    from serving.predictor import RerankPredictor
+
+    if not a.model_uri:
+        sys.exit("--model_uri is required for the predictor")
+    model = RerankPredictor(a.model_name, model_uri=a.model_uri, cfg=cfg)
+    model.load()
+    start_model_server([model], a.port, a.host, cfg.max_body_bytes)
+
+
+def serve_transformer(a: argparse.Namespace, cfg: ServeConfig) -> None:
+    from serving.modelserver import start_model_server
+    from serving.transformer import FeastTransformer, TransformerConfig
+
+    tcfg = TransformerConfig(
+        predictor_host=a.predictor_host,
+        feast_repo=a.feast_repo,
+        feast_yaml=a.feast_yaml,
+        feast_url=a.feast_url,
+        unknown_user=a.unknown_user,
+        unknown_items=a.unknown_items,
+    )
+    model = FeastTransformer(a.model_name, tcfg, cfg)
+    model.load()
+    start_model_server([model], a.port, a.host, cfg.max_body_bytes)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    a = parse_args(argv)
+    cfg = ServeConfig(max_batch=a.max_batch, max_wait_ms=a.max_wait_ms, max_body_bytes=a.max_body_bytes)
+    if a.role == "predictor" or (a.role == "all" and not (a.feast_repo or a.feast_url)):
+        serve_predictor(a, cfg)
+        return
+    if a.role == "transformer":
+        serve_transformer(a, cfg)
+        return
+    pport = a.predictor_port or a.port + 1
+    child_args = [sys.executable, "-m", "serving.serve_local", "--role", "predictor", "--model_name", a.model_name,
+                  "--model_uri", a.model_uri or "", "--host", a.host, "--port", str(pport),
+                  "--max_batch", str(a.max_batch), "--max_wait_ms", str(a.max_wait_ms),
+                  "--max_body_bytes", str(a.max_body_bytes)]
+    child = subprocess.Popen(child_args)
+    try:
+        wait_ready(f"http://{a.host}:{pport}/v1/models/{a.model_name}", proc=child)
+        log.info("predictor ready on %s:%d; starting the transformer on %s:%d", a.host, pport, a.host, a.port)
+        a.predictor_host = f"{a.host}:{pport}"
+        serve_transformer(a, cfg)
+    finally:
+        child.terminate()
+        child.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    main()

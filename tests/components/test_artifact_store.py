@@ -1,0 +1,144 @@
+"""Artifact store round trips: local folder, and S3 through boto3 against moto's real HTTP server on loopback."""
+
+import json
+
+import boto3
+import pytest
+from botocore.config import Config
+from moto.server import ThreadedMotoServer
+
+from components.artifact_store import (
+    ArtifactError,
+    ArtifactStore,
+    LocalBackend,
+    S3Backend,
+    open_store,
+)
+
+BUCKET = "gr2-test"
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    yield url
+    server.stop()
+
+
+@pytest.fixture
+def s3_store(s3_endpoint, monkeypatch, request):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    client = boto3.client("s3", endpoint_url=s3_endpoint, config=Config(s3={"addressing_style": "path"}))
+    bucket = f"{BUCKET}-{request.node.name.split('[')[0].replace('_', '-')[:40]}".lower()
+    client.create_bucket(Bucket=bucket)
+    monkeypatch.setenv("GR2_S3_BUCKET", bucket)
+    monkeypatch.setenv("GR2_S3_PREFIX", "reranker")
+    monkeypatch.setenv("S3_ENDPOINT_URL", s3_endpoint)
+    store = open_store()  # configured from env, as components and the predictor do
+    assert isinstance(store.backend, S3Backend) and store.backend.bucket == bucket
+    return store, client, bucket
+
+
+def make_model(path, version):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "reranker.json").write_text(json.dumps({"kind": "floor", "version": version}))
+    (path / "sub").mkdir(exist_ok=True)
+    (path / "sub" / "weights.bin").write_bytes(bytes(range(256)) * (4 + version))
+    return path
+
+
+def test_s3_upload_pointer_download(s3_store, tmp_path):
+    store, client, bucket = s3_store
+    model = make_model(tmp_path / "m", 1)
+    m = store.upload("run1", "cft", model, report={"rows": [{"model": "cft", "recall@1": 0.4}]})
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"])
+    base = f"reranker/run1/cft/{m.attempt}"
+    assert keys == sorted([f"{base}/reranker.json", f"{base}/sub/weights.bin", f"{base}/report.json",
+                           "reranker/run1/cft/manifest.json"])
+    assert m.uri == f"s3://{bucket}/{base}"
+    assert store.production() is None  # uploading never touches the pointer
+    p = store.promote("run1", "cft", {"model": "cft", "recall@1": 0.4})
+    assert store.production() == p and p["uri"] == m.uri and p["recall@1"] == 0.4
+    out = store.download_production(tmp_path / "dl")
+    assert (out / "sub" / "weights.bin").read_bytes() == (model / "sub" / "weights.bin").read_bytes()
+    assert json.loads((out / "report.json").read_text())["rows"][0]["recall@1"] == 0.4
+    assert store.report("run1", "cft")["rows"][0]["model"] == "cft"
+
+
+def test_s3_crash_mid_upload_keeps_previous_version(s3_store, tmp_path, monkeypatch):
+    store, client, bucket = s3_store
+    store.upload("run1", "model", make_model(tmp_path / "v1", 1))
+    store.promote("run1", "model", {"recall@1": 0.3})
+
+    # second upload of the same run/stage crashes after its first file reached S3
+    real_upload = S3Backend.upload_file
+    calls = []
+
+    def crashing(self, key, path):
+        if calls:
+            raise ConnectionError("simulated crash mid-upload")
+        calls.append(key)
+        real_upload(self, key, path)
+
+    monkeypatch.setattr(S3Backend, "upload_file", crashing)
+    with pytest.raises(ConnectionError):
+        store.upload("run1", "model", make_model(tmp_path / "v2", 2))
+    monkeypatch.setattr(S3Backend, "upload_file", real_upload)
+    assert len(calls) == 1  # one object of the new version really is in the bucket
+    assert any(calls[0] == o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"])
+
+    # readers (a fresh client, as another process would be) still see version 1, complete and verified
+    reader = open_store()
+    out = reader.download("run1", "model", tmp_path / "read")
+    assert json.loads((out / "reranker.json").read_text())["version"] == 1
+    assert (out / "sub" / "weights.bin").stat().st_size == 256 * 5
+    assert reader.production()["recall@1"] == 0.3
+
+    # a never-published stage is invisible, not half-readable
+    monkeypatch.setattr(S3Backend, "upload_file", crashing)
+    with pytest.raises(ConnectionError):
+        store.upload("run2", "model", make_model(tmp_path / "v3", 3))
+    monkeypatch.setattr(S3Backend, "upload_file", real_upload)
+    assert reader.manifest("run2", "model") is None
+    with pytest.raises(ArtifactError, match="no complete upload"):
+        reader.download("run2", "model", tmp_path / "x")
+    with pytest.raises(ArtifactError, match="no complete upload to promote"):
+        store.promote("run2", "model")
+
+
+def test_s3_corrupted_object_is_detected(s3_store, tmp_path):
+    store, client, bucket = s3_store
+    m = store.upload("run1", "model", make_model(tmp_path / "v1", 1))
+    client.put_object(Bucket=bucket, Key=f"reranker/run1/model/{m.attempt}/reranker.json", Body=b"tampered")
+    with pytest.raises(ArtifactError, match="sha256 mismatch"):
+        store.download("run1", "model", tmp_path / "dl")
+
+
+def test_local_backend_is_default_and_roundtrips(tmp_path, monkeypatch):
+    monkeypatch.delenv("GR2_S3_BUCKET", raising=False)
+    monkeypatch.setenv("GR2_ARTIFACT_ROOT", str(tmp_path / "store"))
+    store = open_store()
+    assert isinstance(store.backend, LocalBackend)
+    m = store.upload("r", "eval", report={"gate": {"passed": True}})
+    assert (tmp_path / "store" / "reranker" / "r" / "eval" / "manifest.json").is_file()
+    assert store.report("r", "eval") == {"gate": {"passed": True}}
+    assert m.uri.endswith(f"reranker/r/eval/{m.attempt}")
+    store.upload("r", "model", make_model(tmp_path / "m", 2))
+    store.promote("r", "model", {"model": "floor"})
+    out = store.download_production(tmp_path / "dl")
+    assert json.loads((out / "reranker.json").read_text())["version"] == 2
+
+
+def test_bad_names_and_empty_uploads(tmp_path):
+    store = ArtifactStore(LocalBackend(tmp_path))
+    with pytest.raises(ValueError, match="run_id"):
+        store.upload("a/b", "s", report={})
+    with pytest.raises(ArtifactError, match="nothing to upload"):
+        store.upload("a", "s")
+    with pytest.raises(ArtifactError, match="nothing in production"):
+        store.download_production(tmp_path / "x")

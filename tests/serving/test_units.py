@@ -1,0 +1,111 @@
+"""In-process tests: the micro-batcher, loading a model from an s3:// URI (moto server on loopback), and the
+transformer's unknown-user / unknown-item policies against the real Feast online store."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import boto3
+import pytest
+from botocore.config import Config
+from kserve.errors import InvalidInput
+from moto.server import ThreadedMotoServer
+
+from components.artifact_store import open_store
+from gr2.inference import FloorReranker, RankRequest
+from serving.batcher import MicroBatcher
+from serving.predictor import RerankPredictor
+from serving.transformer import FeastTransformer, TransformerConfig
+
+
+def test_batcher_batches_concurrent_requests_and_keeps_order():
+    calls = []
+
+    def rank(reqs, decoder, tau):
+        calls.append((len(reqs), decoder, tau))
+        return FloorReranker().rank(reqs)
+
+    async def main():
+        b = MicroBatcher(rank, max_batch=4, max_wait_ms=50)
+        reqs = [RankRequest(str(k), [f"a{k}", f"b{k}"], []) for k in range(10)]
+        out = await asyncio.gather(*(b.submit(r, "diffusion", 0.9) for r in reqs[:9]), b.submit(reqs[9], "ar", 0.9))
+        return reqs, out, b
+
+    reqs, out, b = asyncio.run(main())
+    assert [t.result.ranking for t in out] == [r.candidates for r in reqs]
+    # 9 diffusion requests -> batches of 4, 4 and (4 minus the ar one = 1 grouped apart); ar alone
+    assert sorted(calls) == sorted([(4, "diffusion", 0.9), (4, "diffusion", 0.9), (1, "diffusion", 0.9), (1, "ar", 0.9)])
+    assert b.largest_batch == 4 and out[0].batch_size == 4
+
+
+def test_batcher_never_blocks_the_event_loop_and_survives_errors():
+    release = threading.Event()
+    seen = []
+
+    def rank(reqs, decoder, tau):
+        if decoder == "boom":
+            raise RuntimeError("model crashed")
+        release.wait(timeout=30)  # blocks the executor thread, not the loop
+        return FloorReranker().rank(reqs)
+
+    async def main():
+        b = MicroBatcher(rank, max_batch=2, max_wait_ms=1)
+        task = asyncio.ensure_future(b.submit(RankRequest("u", ["a", "b"], []), "diffusion", 0.9))
+        for _ in range(50):  # the loop keeps running other coroutines while rank() is blocked
+            await asyncio.sleep(0.001)
+            seen.append(task.done())
+        release.set()
+        first = await task
+        with pytest.raises(RuntimeError, match="model crashed"):
+            await b.submit(RankRequest("u", ["a", "b"], []), "boom", 0.9)
+        again = await b.submit(RankRequest("u", ["b", "a"], []), "diffusion", 0.9)
+        return first, again
+
+    first, again = asyncio.run(main())
+    assert len(seen) == 50 and not any(seen)
+    assert first.result.ranking == ["a", "b"] and again.result.ranking == ["b", "a"]
+
+
+def test_predictor_loads_from_s3_uri(tmp_path, monkeypatch):
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for k, v in {"AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t", "AWS_DEFAULT_REGION": "us-east-1",
+                     "S3_ENDPOINT_URL": f"http://{host}:{port}", "GR2_S3_BUCKET": "models"}.items():
+            monkeypatch.setenv(k, v)
+        boto3.client("s3", endpoint_url=f"http://{host}:{port}",
+                     config=Config(s3={"addressing_style": "path"})).create_bucket(Bucket="models")
+        model = FloorReranker(name="floor-s3", n_candidates=4, items=["a", "b", "c"]).save(tmp_path / "m")
+        manifest = open_store().upload("run9", "model", model)
+        p = RerankPredictor("reranker", model_uri=manifest.uri)
+        p.load()
+        assert p.reranker.name == "floor-s3" and p.reranker.n_candidates == 4
+        assert p.reranker.known_item("c") and not p.reranker.known_item("d")
+        out = asyncio.run(p.predict({"instances": [{"user_id": "u", "candidates": ["c", "a"]}]}))
+        assert out["predictions"][0]["ranking"] == ["c", "a"]
+    finally:
+        server.stop()
+
+
+def test_transformer_policies(feast_repo, ml_slice):
+    items = list(ml_slice["items"]["item_id"])
+    strict = FeastTransformer("reranker", TransformerConfig("127.0.0.1:1", feast_repo=str(feast_repo),
+                                                            unknown_user="reject"))
+    strict.load()
+    out = asyncio.run(strict.enrich([{"user_id": "3", "candidates": items[:2]}], "instances"))
+    assert out[0]["history"] == ml_slice["history"]["3"]
+    with pytest.raises(ValueError, match=r"instances\[0\].user_id: unknown user 'ghost'"):
+        asyncio.run(strict.enrich([{"user_id": "ghost", "candidates": items[:2]}], "instances"))
+    with pytest.raises(ValueError, match=r"instances\[0\].candidates\[1\]: unknown item id 'zzz'"):
+        asyncio.run(strict.enrich([{"user_id": "3", "candidates": [items[0], "zzz"]}], "instances"))
+    lenient = FeastTransformer("reranker", TransformerConfig("127.0.0.1:1", feast_repo=str(feast_repo),
+                                                             unknown_items="pass"))
+    lenient.load()
+    out = asyncio.run(lenient.enrich([{"user_id": "ghost", "candidates": [items[0], "zzz"]}], "instances"))
+    assert out[0]["history"] == []
+    # predictor unreachable -> a clean error, not a hang (InvalidInput is for client errors only)
+    with pytest.raises(Exception) as e:
+        asyncio.run(lenient.predict({"instances": [{"user_id": "3", "candidates": items[:2]}]}))
+    assert not isinstance(e.value, InvalidInput)

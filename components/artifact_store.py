@@ -282,3 +282,11 @@ def open_store(
         return ArtifactStore(S3Backend(bucket, endpoint_url=endpoint_url), prefix=prefix)
     root = local_root or os.environ.get("GR2_ARTIFACT_ROOT", DEFAULT_LOCAL_ROOT)
     return ArtifactStore(LocalBackend(root), prefix=prefix)
+
+
+def production_record(production_json: str = "", **store_kwargs: Any) -> dict[str, Any] | None:
+    """The production record for the gate: an explicit JSON ("null" = nothing in production), else the
+    configured store's pointer (store_kwargs as for `open_store`; empty values fall back to env)."""
+    if production_json:
+        return json.loads(production_json)
+    return open_store(**{k: v for k, v in store_kwargs.items() if v}).production()

@@ -19,6 +19,8 @@ def ingest(
     from components._lib import steps
 
     meta = steps.ingest(dataset, sources.path, profile, snapshot_date, max_users)
-    sources.metadata.update({k: meta[k] for k in ("dataset", "n_users", "n_items", "n_interactions", "snapshot_date")})
+    sources.metadata.update(
+        {k: meta[k] for k in ("dataset", "n_users", "n_items", "n_interactions", "snapshot_date")}
+    )
     for k in ("n_users", "n_items", "n_interactions", "seconds"):
         metrics.log_metric(k, meta[k])

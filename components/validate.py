@@ -1,10 +1,10 @@
 """KFP component: Great Expectations suites over interactions, items and a targets/examples table.
 
-Returns `passed` (a parameter, so the DAG can branch on it with dsl.If) and the failure message; writes
-the GX results as JSON and a Markdown summary shown in the KFP UI.
+Returns `passed` as its single output (a parameter, so the DAG branches on it with dsl.If); the failing
+expectations go to the JSON artifact, the Markdown summary shown in the KFP UI, and the log. A single
+output, not a NamedTuple: kfp 2.17's local runner cannot resolve a condition on a named output
+("pipelinechannel--validate-passed" parses as a parent input), only on "<task>-Output".
 """
-
-from typing import NamedTuple
 
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Markdown, Metrics, Output
@@ -22,11 +22,10 @@ def validate(
     profile: str,
     stage: str = "targets",
     bounds_json: str = "{}",
-) -> NamedTuple("ValidationOutputs", passed=bool, message=str):
+) -> bool:
     """stage="targets" checks extracted targets; stage="examples" adds the N-candidate-list expectations."""
     import json
     import shutil
-    from collections import namedtuple
     from pathlib import Path
 
     from components._lib import steps
@@ -38,4 +37,4 @@ def validate(
     metrics.log_metric("passed", float(report.passed))
     metrics.log_metric("failed_expectations", float(sum(len(s.failures) for s in report.suites)))
     print(report.message)
-    return namedtuple("ValidationOutputs", ["passed", "message"])(report.passed, report.message)
+    return report.passed

@@ -33,11 +33,14 @@ def attach_candidates(targets: pd.DataFrame, retriever: CoocRetriever, n: int) -
     """
     histories = targets["history"].tolist()
     own = [t if s == "train" else None for t, s in zip(targets["target"], targets["split"], strict=True)]
-    known = [
-        retriever.known_history(u, int(p), h)
-        for u, p, h in zip(targets["user_id"], targets["target_pos"], histories, strict=True)
-    ]
-    items, scores = retriever.topn_batch(histories, n, own_targets=own, excludes=known)
+    # Excluded: the history plus everything in the user's training sequence before the target.
+    items, scores = retriever.topn_batch(
+        histories,
+        n,
+        own_targets=own,
+        users=targets["user_id"].tolist(),
+        positions=targets["target_pos"].tolist(),
+    )
     label = np.array([c.index(t) if t in c else -1 for t, c in zip(targets["target"], items, strict=True)])
     out = targets.copy()
     out["candidates"] = items

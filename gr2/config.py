@@ -104,7 +104,7 @@ class SIDConfig:
     codebook_size: int = 0  # K per level; 0 = derive from catalog size (pow2 >= 2 sqrt(n_items), in [16, max])
     max_codebook_size: int = 256  # TIGER: 3 x 256 for Beauty's 12k items
     kmeans_iters: int = 20
-    balanced: bool = True  # Sinkhorn-balanced assignment: even code usage -> more unique prefixes
+    unique_last_level: bool = True  # collision-aware level 3: distinct codes inside each shared 2-code prefix
     svd_dim: int = 32  # collaborative item factors (truncated SVD of training co-occurrence)
     cooc_window: int = 5  # positions inside a training sequence that count as co-occurring
     content_weight: float = 1.0  # title embedding block (all-MiniLM-L6-v2)

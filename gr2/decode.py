@@ -24,7 +24,9 @@ from transformers import DynamicCache
 from gr2.model import attention_rows, block_causal_mask, position_ids_for
 
 
-def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    prompts: list[list[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists -> (ids [B, P], pad_lens [B])."""
     P = max(len(p) for p in prompts)
     if min(len(p) for p in prompts) == 0:
@@ -90,7 +92,9 @@ def ar_generate(
     return out, nfe
 
 
-def select_commits(logits: torch.Tensor, masked: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+def select_commits(
+    logits: torch.Tensor, masked: torch.Tensor, tau: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The commit rule: every masked position with top-1 prob >= tau, plus the single most confident one.
 
     logits [B, C, V] (already token-shifted: row j predicts canvas position j), masked [B, C].
@@ -113,7 +117,9 @@ def _crop_to(cache: DynamicCache, length: int) -> None:
 
 def _finished(block: torch.Tensor, committed: torch.Tensor, eos_id: int) -> torch.Tensor:
     """[B] rows with a committed eos in `block` whose every earlier block position is committed."""
-    before = torch.cat([torch.ones_like(committed[:, :1]), committed[:, :-1].long().cumprod(-1).bool()], dim=1)
+    before = torch.cat(
+        [torch.ones_like(committed[:, :1]), committed[:, :-1].long().cumprod(-1).bool()], dim=1
+    )
     return (committed & (block == eos_id) & before).any(-1)
 
 

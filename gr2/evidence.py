@@ -91,7 +91,10 @@ class Evidence:
     # ------------------------------------------------------------------ fitting and tables
     @classmethod
     def fit(
-        cls, train_seqs: Mapping[str, Sequence[str]], items: pd.DataFrame, config: EvidenceConfig | None = None
+        cls,
+        train_seqs: Mapping[str, Sequence[str]],
+        items: pd.DataFrame,
+        config: EvidenceConfig | None = None,
     ) -> Evidence:
         """Count transitions, co-occurrences and popularity on training sequences (positions 0..n-3)."""
         cfg = config or EvidenceConfig()
@@ -127,7 +130,11 @@ class Evidence:
 
     def meta(self) -> dict:
         edges = None if self.bucket_edges is None else self.bucket_edges.tolist()
-        return {"config": dataclasses.asdict(self.config), "bucket_edges": edges, "features": list(FEATURE_NAMES)}
+        return {
+            "config": dataclasses.asdict(self.config),
+            "bucket_edges": edges,
+            "features": list(FEATURE_NAMES),
+        }
 
     @classmethod
     def from_item_tables(cls, df: pd.DataFrame, meta: dict | None = None) -> Evidence:
@@ -165,7 +172,9 @@ class Evidence:
         return cls.from_item_tables(pd.read_parquet(path / "item_tables.parquet"), meta)
 
     # ------------------------------------------------------------------ features
-    def features(self, history: Sequence[str], candidates: Sequence[str], own_target: str | None = None) -> np.ndarray:
+    def features(
+        self, history: Sequence[str], candidates: Sequence[str], own_target: str | None = None
+    ) -> np.ndarray:
         """[N, F] features of one list (history oldest -> newest, candidates in retriever order)."""
         return self.features_batch([history], [candidates], [own_target])[0]
 
@@ -179,7 +188,9 @@ class Evidence:
         cfg = self.config
         B = len(histories)
         N = len(candidates[0]) if B else 0
-        cand = np.array([[self.index.get(c, -1) for c in cs] for cs in candidates], dtype=np.int64).reshape(B, N)
+        cand = np.array([[self.index.get(c, -1) for c in cs] for cs in candidates], dtype=np.int64).reshape(
+            B, N
+        )
         own = list(own_targets) if own_targets is not None else [None] * B
         tgt = np.array([self.index.get(t, -1) if t is not None else -1 for t in own], dtype=np.int64)
         rows, flat = _index_sequences(histories, self.index)
@@ -210,7 +221,9 @@ class Evidence:
         ok = flat >= 0
         q = sp.csr_matrix((w[ok], (rows[ok], flat[ok])), shape=(B, len(self.items)))
         wsum = np.asarray(q.sum(1)).ravel()
-        X[:, :, 4] = self._profile_dot(q @ self.cats, self.cats, cand, norm="mean") / np.maximum(wsum, 1e-12)[:, None]
+        X[:, :, 4] = (
+            self._profile_dot(q @ self.cats, self.cats, cand, norm="mean") / np.maximum(wsum, 1e-12)[:, None]
+        )
         X[:, :, 5] = self._profile_dot(q @ self.title_vec, self.title_vec, cand, norm="cosine")
         X[:, :, 6] = np.arange(N)[None, :]
         return X

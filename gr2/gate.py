@@ -15,8 +15,10 @@ Rules (each one line in `reasons`, prefixed PASS/FAIL/SKIP):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gr2.config import GateConfig
@@ -74,13 +76,19 @@ def decide(
 
     row = _row(rows, candidate)
     if row is None:
-        record("candidate", False, f"no report row for candidate {candidate!r} (models: {[r.get('model') for r in rows]})")
+        record(
+            "candidate",
+            False,
+            f"no report row for candidate {candidate!r} (models: {[r.get('model') for r in rows]})",
+        )
         return GateDecision(passed=False, reasons=reasons, checks=checks)
     cand = float(row[METRIC])
 
     floor = _row(rows, FLOOR_MODEL)
     if floor is None:
-        record("floor", False if cfg.require_beats_floor else None, f"no {FLOOR_MODEL!r} row to compare against")
+        record(
+            "floor", False if cfg.require_beats_floor else None, f"no {FLOOR_MODEL!r} row to compare against"
+        )
     else:
         f1 = float(floor[METRIC])
         beats = cand > f1
@@ -114,7 +122,11 @@ def decide(
     if speedup is None:
         record("speedup", None, "row has no speedup_vs_ar")
     else:
-        record("speedup", float(speedup) >= cfg.min_speedup, f"speedup {float(speedup):.2f}x (min {cfg.min_speedup}x)")
+        record(
+            "speedup",
+            float(speedup) >= cfg.min_speedup,
+            f"speedup {float(speedup):.2f}x (min {cfg.min_speedup}x)",
+        )
 
     if production is None:
         record("production", None, "no model in production")
@@ -136,3 +148,34 @@ def decide(
 
     passed = all(v is not False for v in checks.values())
     return GateDecision(passed=passed, reasons=reasons, checks=checks)
+
+
+def read_report(path: str | Path) -> dict[str, Any]:
+    """A report artifact is report.json itself or a folder holding it (the evaluate step writes a folder)."""
+    p = Path(path)
+    return json.loads((p / "report.json" if p.is_dir() else p).read_text())
+
+
+def run_gate(
+    report_path: str | Path,
+    out_dir: str | Path,
+    candidate: str,
+    data_validation: bool | Mapping[str, Any] | None,
+    profile: str = "quick",
+    production: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Decide on a report file, then write decision.json, report.json (with `gate`) and gate.md into out_dir."""
+    from gr2.config import load_profile
+
+    report = read_report(report_path)
+    decision = decide(report["rows"], candidate, data_validation, production, load_profile(profile).gate)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"candidate": candidate, **decision.to_dict(), "production": production}
+    (out / "decision.json").write_text(json.dumps(result, indent=2) + "\n")
+    report["gate"] = {"passed": decision.passed, "reasons": decision.reasons}
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [f"# Gate: {'PASSED' if decision.passed else 'FAILED'} for `{candidate}`", ""]
+    lines += [f"- {r}" for r in decision.reasons]
+    (out / "gate.md").write_text("\n".join(lines) + "\n")
+    return result

@@ -59,7 +59,9 @@ class RerankerLoadError(ValueError):
 _LOADERS: dict[str, Callable[[Path, dict], Reranker]] = {}
 
 
-def register_reranker(kind: str) -> Callable[[Callable[[Path, dict], Reranker]], Callable[[Path, dict], Reranker]]:
+def register_reranker(
+    kind: str,
+) -> Callable[[Callable[[Path, dict], Reranker]], Callable[[Path, dict], Reranker]]:
     """Decorator: register `loader(path, config) -> Reranker` for model directories of this `kind`."""
 
     def deco(loader: Callable[[Path, dict], Reranker]) -> Callable[[Path, dict], Reranker]:
@@ -124,9 +126,7 @@ class FloorReranker:
     ) -> list[RankResult]:
         # decoder and tau are accepted for interface compatibility; the floor does not decode.
         return [
-            RankResult(
-                ranking=list(r.candidates), valid=True, reason=None, nfe=0, n_tokens=0, trace=None
-            )
+            RankResult(ranking=list(r.candidates), valid=True, reason=None, nfe=0, n_tokens=0, trace=None)
             for r in requests
         ]
 

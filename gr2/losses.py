@@ -25,14 +25,20 @@ Item = tuple[Sequence[int], Sequence[int], Sequence[float]]
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [B, P + R] long: left-padded prompt, then the right-padded response
-    weights: torch.Tensor  # [B, P + R] float: loss weight of the token in that column as a target (0 on prompt)
+    weights: (
+        torch.Tensor
+    )  # [B, P + R] float: loss weight of the token in that column as a target (0 on prompt)
     pad_lens: torch.Tensor  # [B] long: left-pad columns of each row
     prompt_len: int  # P: column where every response starts
     n_tokens: int  # real (non-pad) prompt + response tokens: the unit of tokens/s
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch(
-            self.input_ids.to(device), self.weights.to(device), self.pad_lens.to(device), self.prompt_len, self.n_tokens
+            self.input_ids.to(device),
+            self.weights.to(device),
+            self.pad_lens.to(device),
+            self.prompt_len,
+            self.n_tokens,
         )
 
     @property

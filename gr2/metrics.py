@@ -37,7 +37,7 @@ def recall_at_k(ranks: np.ndarray, k: int) -> np.ndarray:
 def ndcg_at_k(ranks: np.ndarray, k: int) -> np.ndarray:
     """Per-list NDCG@k for one relevant item: 1 / log2(rank + 2) inside the top k, else 0.
 
-    >>> [round(x, 4) for x in ndcg_at_k(np.array([0, 1, 2, 3]), 3)]
+    >>> np.round(ndcg_at_k(np.array([0, 1, 2, 3]), 3), 4).tolist()
     [1.0, 0.6309, 0.5, 0.0]
     """
     ranks = np.asarray(ranks)

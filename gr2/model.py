@@ -81,7 +81,9 @@ def convert_to_diffusion(model: LlamaForCausalLM, block_size: int, mask_id: int)
     `config.gr2_block_size`; no weights are added, so the naive converted model is the AR model.
     """
     if not 0 <= mask_id < model.config.vocab_size:
-        raise ValueError(f"mask_id {mask_id} outside the vocabulary ({model.config.vocab_size}); add it first")
+        raise ValueError(
+            f"mask_id {mask_id} outside the vocabulary ({model.config.vocab_size}); add it first"
+        )
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     out = copy.deepcopy(model)
@@ -111,10 +113,14 @@ def save_model(model: LlamaForCausalLM, out_dir: str | Path, extra: dict[str, An
     return out
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[LlamaForCausalLM, dict[str, Any]]:
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> tuple[LlamaForCausalLM, dict[str, Any]]:
     """Load a model saved by `save_model`; returns (model in eval mode, our meta dict)."""
     path = Path(path)
-    model = LlamaForCausalLM.from_pretrained(path, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
+    model = LlamaForCausalLM.from_pretrained(
+        path, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32
+    )
     meta_path = path / META_FILE
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     model.to(device).eval()

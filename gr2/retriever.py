@@ -4,7 +4,8 @@ Fitted on training data only (each user's positions 0..n-3). C[a, b] counts pair
 training sequence that are at most `window` apart (symmetric). A history votes for candidate c with
 score(c) = sum_k decay^k * C[h_k, c] over its `recent` newest items h_0 (newest), h_1, ... Items the user
 already consumed are excluded; when fewer than N items score > 0 the list is filled by training popularity
-(score 0). Ties are broken by popularity, then item id, so the list is deterministic.
+(score 0). Ties are broken by popularity, then item id, so the list is deterministic (among items with
+votes the tie-break uses the full training popularity; in the fill an own target counts one less).
 
 A training example's own target interaction is inside C and the popularity counts; `own_target` subtracts
 it (DESIGN.md: otherwise training lists are easier than test lists). The pairs it contributes to C[h, t]
@@ -25,7 +26,9 @@ from gr2.config import RetrieverConfig
 _ROUND = 9  # scores are rounded so equal vote sums tie exactly whatever the summation order
 
 
-def _index_sequences(seqs: Sequence[Sequence[str]], index: Mapping[str, int]) -> tuple[np.ndarray, np.ndarray]:
+def _index_sequences(
+    seqs: Sequence[Sequence[str]], index: Mapping[str, int]
+) -> tuple[np.ndarray, np.ndarray]:
     """Flatten sequences to (row, item_idx) arrays in order; unknown items get -1."""
     lens = np.fromiter((len(s) for s in seqs), np.int64, len(seqs))
     flat = np.fromiter((index.get(x, -1) for s in seqs for x in s), np.int64, int(lens.sum()))
@@ -60,6 +63,13 @@ def cooccurrence_counts(
     return m
 
 
+def _member(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    if not len(sorted_keys):
+        return np.zeros(len(keys), bool)
+    j = np.minimum(np.searchsorted(sorted_keys, keys), len(sorted_keys) - 1)
+    return sorted_keys[j] == keys
+
+
 class CoocRetriever:
     name = "cooc"
 
@@ -80,6 +90,13 @@ class CoocRetriever:
         self.pop = pop[order]
         self.C = cooccurrence_counts(list(train_seqs.values()), self.index, self.config.window)
         self.train_seqs = dict(train_seqs)
+        # First training position of each (user, item): "consumed before position p" lookups.
+        self._user_index = {u: i for i, u in enumerate(self.train_seqs)}
+        urows, uflat = _index_sequences(list(self.train_seqs.values()), self.index)
+        first_pos = np.arange(len(urows)) - np.searchsorted(urows, urows)
+        keys = urows * len(self.items) + uflat
+        self._first_keys, first = np.unique(keys[uflat >= 0], return_index=True)
+        self._first_pos = first_pos[uflat >= 0][first]
         return self
 
     # ------------------------------------------------------------------ scoring
@@ -116,22 +133,29 @@ class CoocRetriever:
         n: int,
         own_targets: Sequence[str | None] | None = None,
         excludes: Sequence[Sequence[str]] | None = None,
+        users: Sequence[str] | None = None,
+        positions: Sequence[int] | None = None,
         chunk: int = 20_000,
     ) -> tuple[list[list[str]], list[np.ndarray]]:
-        """Top-n (items, scores) per history, best first. `excludes` defaults to the history itself.
+        """Top-n (items, scores) per history, best first.
 
-        Works on the sparse vote matrix (a history reaches a few hundred items, the catalog has ~10^4):
-        sort the votes of each row by (score desc, popularity order), then fill short rows by popularity.
+        Excluded: `excludes` (default: the history itself) and, when `users` and `positions` (target seq_idx)
+        are given, every item of the user's training sequence before that position. The latter is looked
+        up per scored item instead of materialising long consumed-item lists (quadratic for long users).
+        Works on the sparse vote matrix (a history reaches a few hundred items, the catalog ~10^4): sort the
+        votes of each row by (score desc, popularity order), then fill short rows by popularity.
         """
         B, n_items = len(histories), len(self.items)
         own = list(own_targets) if own_targets is not None else [None] * B
-        excl = excludes if excludes is not None else histories
         q, rows, flat = self._query(histories)
         corr = self._own_correction(histories, own, rows, flat)
         tgt = np.array([self.index.get(t, -1) if t is not None else -1 for t in own], dtype=np.int64)
-        ex_rows, ex_flat = _index_sequences(excl, self.index)
+        ex_rows, ex_flat = _index_sequences(excludes if excludes is not None else histories, self.index)
         ok = ex_flat >= 0
-        ex_keys = np.unique(ex_rows[ok] * n_items + ex_flat[ok])
+        ctx = {"ex_keys": np.unique(ex_rows[ok] * n_items + ex_flat[ok])}
+        if users is not None and positions is not None:
+            ctx["user"] = np.array([self._user_index.get(u, -1) for u in users], dtype=np.int64)
+            ctx["pos"] = np.asarray(positions, dtype=np.int64)
         out_items: list[list[str]] = []
         out_scores: list[np.ndarray] = []
         for lo in range(0, B, chunk):
@@ -149,11 +173,8 @@ class CoocRetriever:
                 j = np.minimum(np.searchsorted(keys, tk), len(keys) - 1)
                 hit = keys[j] == tk
                 v[j[hit]] = np.round(v[j[hit]] - corr[has[hit]], _ROUND)
-            ek = ex_keys[np.searchsorted(ex_keys, lo * n_items) : np.searchsorted(ex_keys, hi * n_items)]
             keep = v > 0
-            if len(ek):
-                j = np.minimum(np.searchsorted(ek, keys), len(ek) - 1)
-                keep &= ek[j] != keys
+            keep[keep] = ~self._excluded(r[keep], c[keep], ctx)
             r, c, v = r[keep], c[keep], v[keep]
             o = np.lexsort((-v, r))  # stable: equal scores stay in column (= popularity) order
             r, c, v = r[o], c[o], v[o]
@@ -163,47 +184,48 @@ class CoocRetriever:
                 idx, sc = c[a : min(b, a + n)], v[a : min(b, a + n)]
                 if len(idx) < n:
                     row = lo + i
-                    taken = set(c[a:b].tolist()) | set(self._excluded(ex_keys, row))
-                    fill = self._fill(taken, n - len(idx), int(tgt[row]))
-                    idx = np.concatenate([idx, np.asarray(fill, np.int64)])
+                    fill = self._fill(row, set(c[a:b].tolist()), n - len(idx), int(tgt[row]), ctx)
+                    idx = np.concatenate([idx, fill])
                     sc = np.concatenate([sc, np.zeros(len(fill))])
                 out_items.append(self.items[idx].tolist())
                 out_scores.append(sc)
         return out_items, out_scores
 
-    def _excluded(self, ex_keys: np.ndarray, row: int) -> list[int]:
+    def _excluded(self, rows: np.ndarray, cols: np.ndarray, ctx: dict) -> np.ndarray:
+        """Is item `cols[i]` already consumed for example `rows[i]`?"""
         n_items = len(self.items)
-        a, b = np.searchsorted(ex_keys, [row * n_items, (row + 1) * n_items])
-        return (ex_keys[a:b] - row * n_items).tolist()
-
-    def _fill(self, taken: set[int], k: int, target: int) -> list[int]:
-        """First k items in popularity order not in `taken`. An own target without votes (so not in
-        `taken`) is placed where its popularity minus its own interaction puts it."""
-        t = target if target >= 0 and target not in taken else -1
-        ahead = -1
-        if t >= 0:
-            p = int(self.pop[t]) - 1
-            # items ahead of the target in (pop desc, id asc) order once its own count is removed
-            n_gt = int(np.searchsorted(-self.pop, -p, side="left"))  # pop > p, the target included
-            n_eq = int(np.searchsorted(-self.pop, -p, side="right"))
-            same = self.items[n_gt:n_eq].astype(str)
-            ahead = n_gt - 1 + int(np.searchsorted(same, str(self.items[t])))
-        out: list[int] = []
-        c, n_items = 0, len(self.items)
-        while len(out) < k and c < n_items:
-            if c == t:
-                c += 1
-                continue
-            if t >= 0 and (c if c < t else c - 1) >= ahead:
-                out.append(t)
-                t = -1
-                continue
-            if c not in taken:
-                out.append(c)
-            c += 1
-        if t >= 0 and len(out) < k:
-            out.append(t)
+        out = _member(ctx["ex_keys"], rows * n_items + cols)
+        if "user" in ctx and len(self._first_keys):
+            u = ctx["user"][rows]
+            k = u * n_items + cols
+            j = np.minimum(np.searchsorted(self._first_keys, k), len(self._first_keys) - 1)
+            found = (self._first_keys[j] == k) & (u >= 0)
+            out |= found & (self._first_pos[j] < ctx["pos"][rows])
         return out
+
+    def _fill(self, row: int, scored: set[int], k: int, target: int, ctx: dict) -> np.ndarray:
+        """First k eligible items in popularity order. An own target without votes is placed where its
+        popularity minus its own interaction puts it (pop desc, then id)."""
+        t = target
+        if t >= 0 and (t in scored or self._excluded(np.array([row]), np.array([t]), ctx)[0]):
+            t = -1
+        eligible: list[int] = []
+        start, block = 0, max(64, 4 * k)
+        while len(eligible) < k and start < len(self.items):
+            cols = np.arange(start, min(len(self.items), start + block))
+            cols = cols[~self._excluded(np.full(len(cols), row), cols, ctx)]
+            eligible += [x for x in cols.tolist() if x not in scored and x != t]
+            start, block = start + block, block * 2
+        el = np.asarray(eligible[:k], dtype=np.int64)
+        if t < 0:
+            return el
+        p = int(self.pop[t]) - 1
+        n_gt = int(np.searchsorted(-self.pop, -p, side="left"))  # items with pop > p, the target included
+        n_eq = int(np.searchsorted(-self.pop, -p, side="right"))
+        ahead = n_gt - 1 + int(np.searchsorted(self.items[n_gt:n_eq].astype(str), str(self.items[t])))
+        col_wo_t = np.where(el > t, el - 1, el)  # positions in the order without the target
+        cut = int(np.searchsorted(col_wo_t, ahead))
+        return np.concatenate([el[:cut], [t], el[cut:]])[:k].astype(np.int64)
 
     def topn(
         self,
@@ -213,7 +235,9 @@ class CoocRetriever:
         exclude: Sequence[str] | None = None,
     ) -> tuple[list[str], np.ndarray]:
         """Top-n (items, scores) for one history (oldest -> newest); excludes `exclude` or the history."""
-        items, scores = self.topn_batch([history], n, [own_target], [exclude if exclude is not None else history])
+        items, scores = self.topn_batch(
+            [history], n, [own_target], [exclude if exclude is not None else history]
+        )
         return items[0], scores[0]
 
     def known_history(self, user_id: str, target_pos: int, history: Sequence[str]) -> list[str]:

@@ -8,7 +8,7 @@ each block L2-normalised and scaled by sqrt(weight). Level 4 de-duplicates: the 
 items sharing its first three codes (so every item gets a unique 4-token ID).
 
 DESIGN.md: collaborative embeddings alone were only 62% unique at 3 levels on Beauty; content in the mix plus
-balanced codebooks (Sinkhorn-balanced assignment) is what reaches >= 99%.
+a collision-aware last RQ level (distinct codes inside each shared prefix) is what reaches >= 99%.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,7 +91,13 @@ def text_embeddings(texts: Sequence[str], batch_size: int = 128, max_tokens: int
     with torch.inference_mode():
         for start in tqdm(range(0, len(texts), batch_size), disable=None, desc="title embeddings"):
             idx = order[start : start + batch_size]
-            enc = tok([texts[i] for i in idx], padding=True, truncation=True, max_length=max_tokens, return_tensors="pt")
+            enc = tok(
+                [texts[i] for i in idx],
+                padding=True,
+                truncation=True,
+                max_length=max_tokens,
+                return_tensors="pt",
+            )
             hidden = model(**enc).last_hidden_state
             mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
@@ -115,13 +121,18 @@ def cached_text_embeddings(
 
 
 def collab_factors(
-    train_sequences: Sequence[Sequence[str]], item_index: dict[str, int], dim: int = 32, window: int = 5
+    train_sequences: Sequence[Sequence[str]] | Mapping[str, Sequence[str]],
+    item_index: dict[str, int],
+    dim: int = 32,
+    window: int = 5,
 ) -> np.ndarray:
     """Item factors [n_items, dim] from a truncated SVD of the windowed training co-occurrence matrix.
 
     Counts are log1p-damped and degree-normalised (D^-1/2 A D^-1/2) so popular items do not dominate the
     leading singular vectors. Items without training co-occurrence get a zero row.
     """
+    if isinstance(train_sequences, Mapping):  # gr2.data.split.train_sequences: user -> items
+        train_sequences = list(train_sequences.values())
     n = len(item_index)
     flat, owner = [], []
     for u, seq in enumerate(train_sequences):
@@ -170,7 +181,7 @@ def category_features(categories: Sequence[Sequence[str]], dim: int = 32) -> np.
 def item_embeddings(
     dataset_name: str,
     items: pd.DataFrame,
-    train_sequences: Sequence[Sequence[str]],
+    train_sequences: Sequence[Sequence[str]] | Mapping[str, Sequence[str]],
     cfg: SIDConfig,
     cache_dir: str | Path = DEFAULT_CACHE,
 ) -> np.ndarray:
@@ -188,9 +199,14 @@ def item_embeddings(
         w = cfg.category_weight if any(titles) else max(cfg.category_weight, cfg.content_weight)
         blocks.append(math.sqrt(w) * cats)
     if cfg.collab_weight > 0:
-        blocks.append(math.sqrt(cfg.collab_weight) * collab_factors(train_sequences, item_index, cfg.svd_dim, cfg.cooc_window))
+        blocks.append(
+            math.sqrt(cfg.collab_weight)
+            * collab_factors(train_sequences, item_index, cfg.svd_dim, cfg.cooc_window)
+        )
     if not blocks:
-        raise ValueError(f"{dataset_name}: no titles, categories or training interactions to embed items with")
+        raise ValueError(
+            f"{dataset_name}: no titles, categories or training interactions to embed items with"
+        )
     return np.concatenate(blocks, axis=1).astype(np.float32)
 
 
@@ -206,43 +222,30 @@ def _sq_dist(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (x * x).sum(1, keepdim=True) - 2 * x @ c.T + (c * c).sum(1)[None, :]
 
 
-def _kmeanspp(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+def _kmeanspp(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """k-means++ seeding (D^2 sampling), in numpy float32."""
     n = x.shape[0]
-    centers = [x[torch.randint(n, (1,), generator=gen)].squeeze(0)]
-    d = _sq_dist(x, centers[0][None]).squeeze(1).clamp(min=0)
-    for _ in range(1, k):
-        p = d / d.sum() if d.sum() > 0 else torch.full_like(d, 1.0 / n)
-        nxt = x[torch.multinomial(p, 1, generator=gen)].squeeze(0)
-        centers.append(nxt)
-        d = torch.minimum(d, _sq_dist(x, nxt[None]).squeeze(1).clamp(min=0))
-    return torch.stack(centers)
+    centers = np.empty((k, x.shape[1]), dtype=np.float32)
+    centers[0] = x[rng.integers(n)]
+    sq = (x * x).sum(1)
+    d = np.maximum(sq - 2 * x @ centers[0] + centers[0] @ centers[0], 0)
+    for j in range(1, k):
+        total = d.sum()
+        i = rng.choice(n, p=d / total) if total > 0 else rng.integers(n)
+        centers[j] = x[i]
+        d = np.minimum(d, np.maximum(sq - 2 * x @ centers[j] + centers[j] @ centers[j], 0))
+    return centers
 
 
-def _balanced_assign(d: torch.Tensor, n_iter: int = 50) -> torch.Tensor:
-    """Assignment under (soft) equal cluster sizes: Sinkhorn prices v_k, then argmin_k d_ik - eps * v_k."""
-    n, k = d.shape
-    eps = d.std().clamp(min=1e-6) * 0.05
-    logp = -d / eps
-    v = torch.zeros(k, dtype=d.dtype)
-    log_col = math.log(n / k)
-    for _ in range(n_iter):
-        u = -torch.logsumexp(logp + v[None, :], dim=1)
-        v = log_col - torch.logsumexp(logp + u[:, None], dim=0)
-    return (logp + v[None, :]).argmax(1)
-
-
-def kmeans(
-    x: np.ndarray, k: int, iters: int = 20, balanced: bool = True, seed: int = 0
-) -> tuple[np.ndarray, np.ndarray]:
-    """k-means++ init then Lloyd iterations (balanced assignment if asked). Returns (codes [n], centroids [k, d])."""
-    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64))
-    k = min(k, xt.shape[0])
-    gen = torch.Generator().manual_seed(seed)
-    c = _kmeanspp(xt, k, gen)
-    codes = torch.zeros(xt.shape[0], dtype=torch.long)
+def kmeans(x: np.ndarray, k: int, iters: int = 20, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """k-means++ init then Lloyd iterations (float32 torch). Returns (codes [n], centroids [k, d])."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    k = min(k, x.shape[0])
+    c = torch.from_numpy(_kmeanspp(x, k, np.random.default_rng(seed)))
+    xt = torch.from_numpy(x)
     for _ in range(iters):
         d = _sq_dist(xt, c)
-        codes = _balanced_assign(d) if balanced else d.argmin(1)
+        codes = d.argmin(1)
         counts = torch.bincount(codes, minlength=k).to(xt.dtype)
         sums = torch.zeros_like(c).index_add_(0, codes, xt)
         empty = counts == 0
@@ -250,20 +253,59 @@ def kmeans(
         if empty.any():  # re-seed empty clusters on the worst-fit points
             worst = d.gather(1, codes[:, None]).squeeze(1).argsort(descending=True)[: int(empty.sum())]
             c[empty] = xt[worst]
-    d = _sq_dist(xt, c)
-    codes = _balanced_assign(d) if balanced else d.argmin(1)
-    return codes.numpy(), c.numpy()
+    return _sq_dist(xt, c).argmin(1).numpy(), c.numpy()
 
 
-def residual_kmeans(x: np.ndarray, sizes: Sequence[int], iters: int, balanced: bool, seed: int) -> np.ndarray:
-    """RQ codes [n, len(sizes)]: level l clusters the residual left by levels < l (shared codebook per level)."""
-    resid = x.astype(np.float64).copy()
+def _unique_last_level(prefix: np.ndarray, dist: np.ndarray) -> np.ndarray:
+    """Collision-aware last-level codes: inside each group sharing the earlier codes, give every item a distinct
+    code by a min-cost assignment to the level's centroids (linear_sum_assignment on `dist` [n, K]).
+
+    Items that already have a distinct nearest code keep it; colliding ones move to their next-nearest free
+    centroid, so the code stays a (slightly coarser) residual quantisation. Groups larger than K keep their
+    nearest codes and are separated by the de-dup level.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    codes = dist.argmin(1)
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, key in enumerate(map(tuple, prefix.tolist())):
+        groups[key].append(i)
+    for members in groups.values():
+        if len(members) < 2 or len(members) > dist.shape[1]:
+            continue
+        m = np.asarray(members)
+        if len(np.unique(codes[m])) == len(m):
+            continue
+        rows, cols = linear_sum_assignment(dist[m])
+        codes[m[rows]] = cols
+    return codes
+
+
+def residual_kmeans(
+    x: np.ndarray, sizes: Sequence[int], iters: int, seed: int, unique_last_level: bool = True
+) -> tuple[np.ndarray, dict]:
+    """RQ codes [n, len(sizes)]: level l clusters the residual left by levels < l (shared codebook per level).
+
+    Returns the codes and diagnostics: plain-RQ prefix uniqueness and the relative quantisation error.
+    """
+    resid = x.astype(np.float32).copy()
     out = np.zeros((x.shape[0], len(sizes)), dtype=np.int64)
+    diag: dict = {}
     for level, k in enumerate(sizes):
-        codes, cents = kmeans(resid, k, iters, balanced, seed + level)
+        codes, cents = kmeans(resid, k, iters, seed + level)
+        if unique_last_level and level == len(sizes) - 1:
+            diag["plain_rq_unique_prefix_frac"] = len(
+                set(map(tuple, np.concatenate([out[:, :level], codes[:, None]], 1).tolist()))
+            ) / len(x)
+            d = _sq_dist(torch.from_numpy(resid), torch.from_numpy(cents)).numpy()
+            codes = _unique_last_level(out[:, :level], d)
+            diag["last_level_moved_frac"] = float((codes != d.argmin(1)).mean())
         out[:, level] = codes
         resid = resid - cents[codes]
-    return out
+    diag["relative_quantisation_error"] = float(
+        (resid**2).sum() / max((x.astype(np.float32) ** 2).sum(), 1e-12)
+    )
+    return out, diag
 
 
 def derive_codebook_size(n_items: int, cfg: SIDConfig) -> int:
@@ -286,14 +328,16 @@ def code_stats(codes: np.ndarray, sizes: Sequence[int]) -> dict:
         "codebook_usage": [len(np.unique(codes[:, lv])) / k for lv, k in enumerate(sizes)],
     }
     for lv in range(codes.shape[1]):  # uniqueness of each shorter prefix too (prefix-sharing diagnostics)
-        stats[f"unique_frac_levels_1_{lv + 1}"] = len(set(map(tuple, codes[:, : lv + 1].tolist()))) / max(n, 1)
+        stats[f"unique_frac_levels_1_{lv + 1}"] = len(set(map(tuple, codes[:, : lv + 1].tolist()))) / max(
+            n, 1
+        )
     return stats
 
 
 def build_semantic_ids(
     dataset_name: str,
     items: pd.DataFrame,
-    train_sequences: Sequence[Sequence[str]],
+    train_sequences: Sequence[Sequence[str]] | Mapping[str, Sequence[str]],
     cfg: SIDConfig = SIDConfig(),
     seed: int = 0,
     cache_dir: str | Path = DEFAULT_CACHE,
@@ -307,7 +351,7 @@ def build_semantic_ids(
     t_emb = time.perf_counter() - t0
     k = derive_codebook_size(len(items), cfg)
     sizes = [k] * cfg.n_levels
-    codes = residual_kmeans(x, sizes, cfg.kmeans_iters, cfg.balanced, seed)
+    codes, diag = residual_kmeans(x, sizes, cfg.kmeans_iters, seed, cfg.unique_last_level)
     # 4th level: index among items sharing the RQ prefix, in catalog order (deterministic).
     seen: dict[tuple, int] = defaultdict(int)
     dedup = np.zeros(len(items), dtype=np.int64)
@@ -315,26 +359,22 @@ def build_semantic_ids(
         dedup[i] = seen[pre]
         seen[pre] += 1
     stats = code_stats(codes, sizes)
+    stats.update(diag)
     stats.update(
         dataset=dataset_name,
         codebook_size=k,
         n_levels=cfg.n_levels,
-        balanced=cfg.balanced,
+        unique_last_level=cfg.unique_last_level,
         embedding_dim=int(x.shape[1]),
         embed_seconds=round(t_emb, 2),
         total_seconds=round(time.perf_counter() - t0, 2),
-        unique_full_frac=len({(*p, d) for p, d in zip(map(tuple, codes.tolist()), dedup, strict=True)}) / len(items),
+        unique_full_frac=len({(*p, d) for p, d in zip(map(tuple, codes.tolist()), dedup, strict=True)})
+        / len(items),
     )
     full = np.concatenate([codes, dedup[:, None]], axis=1)
     out = {iid: tuple(int(c) for c in row) for iid, row in zip(items["item_id"], full.tolist(), strict=True)}
     log.info("semantic ids %s: %s", dataset_name, {k_: v for k_, v in stats.items() if k_ != "dataset"})
     return SemanticIds(codes=out, codebook_sizes=(k, k, k, int(dedup.max()) + 1), stats=stats)
-
-
-def training_sequences(interactions: pd.DataFrame) -> list[list[str]]:
-    """Per-user item sequences without the validation and test targets (the last two positions: TIGER split)."""
-    seqs = interactions.sort_values(["user_id", "seq_idx"]).groupby("user_id", sort=False)["item_id"].agg(list)
-    return [s[:-2] for s in seqs if len(s) > 2]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -344,16 +384,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dataset")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--no-balanced", action="store_true")
+    ap.add_argument("--plain-rq", action="store_true", help="no collision-aware last level")
     ap.add_argument("--codebook-size", type=int, default=0)
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     path = Path(args.dataset)
-    from gr2.data.dataset import load_dataset  # the data layer owns parsing/validation
+    from gr2.data import load_dataset, train_sequences  # the data layer owns parsing and the split
 
     ds = load_dataset(path)
-    cfg = SIDConfig(balanced=not args.no_balanced, codebook_size=args.codebook_size)
-    sids = build_semantic_ids(ds.name, ds.items, training_sequences(ds.interactions), cfg)
+    cfg = SIDConfig(unique_last_level=not args.plain_rq, codebook_size=args.codebook_size)
+    sids = build_semantic_ids(ds.name, ds.items, train_sequences(ds), cfg)
     print(json.dumps(sids.stats, indent=1))
     if args.out:
         sids.save(args.out)

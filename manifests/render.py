@@ -103,7 +103,9 @@ def build(path: str | Path) -> list[dict[str, Any]]:
         for patch in _load_docs(path / p["path"]):
             matches = [i for i, d in enumerate(docs) if _key(d) == _key(patch)]
             if len(matches) != 1:
-                raise RenderError(f"{path / p['path']}: patch target {_key(patch)} matched {len(matches)} documents")
+                raise RenderError(
+                    f"{path / p['path']}: patch target {_key(patch)} matched {len(matches)} documents"
+                )
             docs[matches[0]] = merge(docs[matches[0]], patch)
     for d in docs:
         meta = d.setdefault("metadata", {})
@@ -116,7 +118,9 @@ def build(path: str | Path) -> list[dict[str, Any]]:
     return docs
 
 
-def set_rollout(docs: list[dict[str, Any]], storage_uri: str | None = None, canary_percent: int | None = None) -> None:
+def set_rollout(
+    docs: list[dict[str, Any]], storage_uri: str | None = None, canary_percent: int | None = None
+) -> None:
     """Point the InferenceService at a model (STORAGE_URI env of the predictor) and set/remove the canary.
 
     canary_percent None leaves the overlay's value; -1 removes the field (promote: all traffic to latest).
@@ -135,7 +139,9 @@ def set_rollout(docs: list[dict[str, Any]], storage_uri: str | None = None, cana
         elif 0 <= canary_percent <= 100:
             pred["canaryTrafficPercent"] = canary_percent
         else:
-            raise RenderError(f"canary_percent must be within [0, 100] (or -1 to remove), got {canary_percent}")
+            raise RenderError(
+                f"canary_percent must be within [0, 100] (or -1 to remove), got {canary_percent}"
+            )
 
 
 def to_yaml(docs: list[dict[str, Any]]) -> str:

@@ -28,7 +28,10 @@ def _model_stages(sources, examples, profile, dataset) -> None:
     )
 
 
-@dsl.pipeline(name=PIPELINE_NAME, description="Diffusion-GR2: data -> features -> validated re-ranking examples -> models")
+@dsl.pipeline(
+    name=PIPELINE_NAME,
+    description="Diffusion-GR2: data -> features -> validated re-ranking examples -> models",
+)
 def gr2_pipeline(
     dataset: str = "ml-100k",
     profile: str = "quick",
@@ -53,7 +56,7 @@ def gr2_pipeline(
         stage="targets",
         bounds_json=bounds_json,
     ).set_display_name("validate-targets")
-    with dsl.If(vt.outputs["passed"] == True, name="targets-valid"):  # noqa: E712 (a KFP condition, not a bool)
+    with dsl.If(vt.outputs["Output"] == True, name="targets-valid"):  # noqa: E712 (a KFP condition, not a bool)
         cand = candidates(sources=ing.outputs["sources"], targets=ex.outputs["targets"], profile=profile)
         ve = validate(
             sources=ing.outputs["sources"],
@@ -62,7 +65,7 @@ def gr2_pipeline(
             stage="examples",
             bounds_json=bounds_json,
         ).set_display_name("validate-examples")
-        with dsl.If(ve.outputs["passed"] == True, name="examples-valid"):  # noqa: E712
+        with dsl.If(ve.outputs["Output"] == True, name="examples-valid"):  # noqa: E712
             _model_stages(ing.outputs["sources"], cand.outputs["examples"], profile, dataset)
 
 

@@ -1,7 +1,8 @@
 """An asyncio micro-batcher: concurrent requests are decoded together, off the event loop.
 
 The first queued item opens a batch; the batch closes when it holds `max_batch` items or `max_wait_ms` has
-passed. Items are grouped by (decoder, tau) because `Reranker.rank` takes one of each per call, and each
+passed (requests that queued while the previous batch ran join at once, so max_wait_ms=0 is pure greedy
+batching: no added latency when idle, natural batches under load). Items are grouped by (decoder, tau) because `Reranker.rank` takes one of each per call, and each
 group runs in a single-thread executor (one model call at a time: torch models are not re-entrant, and the
 event loop stays free to accept requests and answer health probes, kserve#3950).
 """
@@ -72,6 +73,11 @@ class MicroBatcher:
         batch = [await queue.get()]
         deadline = time.perf_counter() + self.max_wait
         while len(batch) < self.max_batch:
+            try:  # whatever queued up while the previous batch ran joins without waiting
+                batch.append(queue.get_nowait())
+                continue
+            except asyncio.QueueEmpty:
+                pass
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 break
@@ -96,7 +102,9 @@ class MicroBatcher:
                         self.executor, self.rank, [it.request for it in items], decoder, tau
                     )
                     if len(results) != len(items):
-                        raise RuntimeError(f"rank() returned {len(results)} results for {len(items)} requests")
+                        raise RuntimeError(
+                            f"rank() returned {len(results)} results for {len(items)} requests"
+                        )
                 except Exception as e:  # the error goes to every waiting request; the worker keeps running
                     log.exception("rank() failed for a batch of %d", len(items))
                     for it in items:

@@ -39,7 +39,9 @@ class RequestGuardMiddleware:
         self.max_bytes = max_bytes
 
     async def _reject(self, send: Any, size: str) -> None:
-        await _send_error(send, 413, f"body: payload of {size} bytes exceeds the limit of {self.max_bytes} bytes")
+        await _send_error(
+            send, 413, f"body: payload of {size} bytes exceeds the limit of {self.max_bytes} bytes"
+        )
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
@@ -82,7 +84,9 @@ class RequestGuardMiddleware:
         await self.app(scope, replay, send)
 
 
-def start_model_server(models: list[Any], http_port: int, host: str = "127.0.0.1", max_body_bytes: int = 256 * 1024) -> None:
+def start_model_server(
+    models: list[Any], http_port: int, host: str = "127.0.0.1", max_body_bytes: int = 256 * 1024
+) -> None:
     """Blocking: serve `models` (already loaded) over REST only, bound to `host`, with the body limit."""
     import kserve
     import kserve.model_server

@@ -53,7 +53,9 @@ def fetch_model_dir(uri: str, cache_dir: str | Path | None = None) -> Path:
     prefix = prefix.rstrip("/") + "/" if prefix else ""
     dest = Path(cache_dir or tempfile.mkdtemp(prefix="gr2-model-"))
     s3 = boto3.client(
-        "s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None, config=Config(s3={"addressing_style": "path"})
+        "s3",
+        endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None,
+        config=Config(s3={"addressing_style": "path"}),
     )
     n = 0
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
@@ -95,11 +97,16 @@ class RerankPredictor(kserve.Model):
         self.ready = True
         return self.ready
 
-    async def rank_instances(self, instances: list[Any], params: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    async def rank_instances(
+        self, instances: list[Any], params: dict[str, Any], where: str
+    ) -> list[dict[str, Any]]:
         """Validate every instance first (all-or-nothing), then decode them concurrently via the batcher."""
         t0 = time.perf_counter()
         base = parse_options(params, "parameters", self.cfg)
-        parsed = [parse_instance(raw, f"{where}[{i}]", self.reranker, self.cfg, base) for i, raw in enumerate(instances)]
+        parsed = [
+            parse_instance(raw, f"{where}[{i}]", self.reranker, self.cfg, base)
+            for i, raw in enumerate(instances)
+        ]
         timed = await asyncio.gather(*(self.batcher.submit(req, o.decoder, o.tau) for req, o, _ in parsed))
         total = (time.perf_counter() - t0) * 1000
         return [
@@ -109,7 +116,11 @@ class RerankPredictor(kserve.Model):
                 opts,
                 self.reranker.name,
                 {"queue": round(t.queue_ms, 3), "model": round(t.model_ms, 3), "total": round(total, 3)},
-                {"batch_size": t.batch_size, "history_len": len(req.history), "history_unknown_dropped": dropped},
+                {
+                    "batch_size": t.batch_size,
+                    "history_len": len(req.history),
+                    "history_unknown_dropped": dropped,
+                },
             )
             for (req, opts, dropped), t in zip(parsed, timed, strict=True)
         ]
@@ -128,7 +139,9 @@ class RerankPredictor(kserve.Model):
                 data = [json.dumps(p) for p in preds]
                 return InferResponse(
                     model_name=self.name,
-                    infer_outputs=[InferOutput(name="predictions", shape=[len(data)], datatype="BYTES", data=data)],
+                    infer_outputs=[
+                        InferOutput(name="predictions", shape=[len(data)], datatype="BYTES", data=data)
+                    ],
                     response_id=payload.id or str(uuid.uuid4()),  # kserve 500s on a None id (STACK.md §3)
                 )
             instances, params = v1_body(payload, self.cfg)

@@ -26,7 +26,7 @@ class BadRequest(ValueError):
 @dataclass(frozen=True)
 class ServeConfig:
     max_batch: int = 16  # micro-batch size cap (requests decoded together)
-    max_wait_ms: float = 5.0  # how long the batcher waits to fill a batch after the first request
+    max_wait_ms: float = 2.0  # how long the batcher waits to fill a batch after the first request
     max_instances: int = 64  # instances per HTTP request
     max_body_bytes: int = 256 * 1024  # larger payloads get 413
     min_candidates: int = 2  # fewer is not a ranking problem
@@ -89,7 +89,9 @@ def parse_instance(
         raise BadRequest(f"{where}.{unknown[0]}: unknown field (allowed: {sorted(INSTANCE_KEYS)})")
     user_id = raw.get("user_id")
     if not isinstance(user_id, str) or not user_id or len(user_id) > cfg.max_id_len:
-        raise BadRequest(f"{where}.user_id: must be a non-empty string of at most {cfg.max_id_len} chars, got {user_id!r}")
+        raise BadRequest(
+            f"{where}.user_id: must be a non-empty string of at most {cfg.max_id_len} chars, got {user_id!r}"
+        )
     cands = raw.get("candidates")
     if not isinstance(cands, list):
         raise BadRequest(f"{where}.candidates: must be a list of item id strings, got {type(cands).__name__}")
@@ -97,7 +99,9 @@ def parse_instance(
     if len(cands) < lo:
         raise BadRequest(f"{where}.candidates: too few candidates ({len(cands)} < {lo})")
     if len(cands) > hi:
-        raise BadRequest(f"{where}.candidates: too many candidates ({len(cands)} > {hi}, the model ranks {hi})")
+        raise BadRequest(
+            f"{where}.candidates: too many candidates ({len(cands)} > {hi}, the model ranks {hi})"
+        )
     seen: dict[str, int] = {}
     for j, c in enumerate(cands):
         if not isinstance(c, str) or not c:
@@ -116,7 +120,11 @@ def parse_instance(
         raise BadRequest(f"{where}.history: too long ({len(history)} > {cfg.max_history})")
     known_history = [h for h in history if reranker.known_item(h)]
     opts = parse_options(raw, where, cfg, base)
-    return RankRequest(user_id=user_id, candidates=list(cands), history=known_history), opts, len(history) - len(known_history)
+    return (
+        RankRequest(user_id=user_id, candidates=list(cands), history=known_history),
+        opts,
+        len(history) - len(known_history),
+    )
 
 
 def parse_instances_list(instances: Any, where: str, cfg: ServeConfig) -> list[Any]:
@@ -136,7 +144,7 @@ def v1_body(payload: Any, cfg: ServeConfig) -> tuple[list[Any], dict[str, Any]]:
     if not isinstance(payload, dict):
         raise BadRequest(f"body: expected a JSON object with 'instances', got {type(payload).__name__}")
     if "instances" not in payload:
-        raise BadRequest("instances: missing (body must be {\"instances\": [...]})")
+        raise BadRequest('instances: missing (body must be {"instances": [...]})')
     params = payload.get("parameters") or {}
     if not isinstance(params, dict):
         raise BadRequest("parameters: must be an object")
@@ -147,7 +155,9 @@ def v2_instances(infer_request: Any, cfg: ServeConfig) -> tuple[list[Any], dict[
     """Instances from a v2 InferRequest: one BYTES input whose elements are JSON instance objects."""
     inputs = infer_request.inputs or []
     if len(inputs) != 1:
-        raise BadRequest(f"inputs: expected exactly one BYTES input holding JSON instances, got {len(inputs)}")
+        raise BadRequest(
+            f"inputs: expected exactly one BYTES input holding JSON instances, got {len(inputs)}"
+        )
     inp = inputs[0]
     if inp.datatype != "BYTES":
         raise BadRequest(f"inputs[0].datatype: must be BYTES (JSON instances), got {inp.datatype}")
@@ -165,7 +175,12 @@ def v2_instances(infer_request: Any, cfg: ServeConfig) -> tuple[list[Any], dict[
 
 
 def format_result(
-    req: RankRequest, res: RankResult, opts: Options, model: str, timing: dict[str, float], extra: dict[str, Any]
+    req: RankRequest,
+    res: RankResult,
+    opts: Options,
+    model: str,
+    timing: dict[str, float],
+    extra: dict[str, Any],
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
         "user_id": req.user_id,

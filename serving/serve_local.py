@@ -44,8 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model_name", default="reranker")
     p.add_argument("--model_uri", help="model directory, file:// or s3:// URI (predictor)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--predictor_port", type=int, default=None, help="role all: predictor port (default port+1)")
+    p.add_argument("--port", "--http_port", dest="port", type=int, default=8080)  # KServe injects --http_port
+    p.add_argument(
+        "--predictor_port", type=int, default=None, help="role all: predictor port (default port+1)"
+    )
     p.add_argument("--predictor_host", help="role transformer: host:port of the predictor")
     p.add_argument("--feast_repo")
     p.add_argument("--feast_yaml", help="feature_store.yaml to use instead of the repo's (prod: Redis)")
@@ -97,10 +99,27 @@ def main(argv: list[str] | None = None) -> None:
         serve_transformer(a, cfg)
         return
     pport = a.predictor_port or a.port + 1
-    child_args = [sys.executable, "-m", "serving.serve_local", "--role", "predictor", "--model_name", a.model_name,
-                  "--model_uri", a.model_uri or "", "--host", a.host, "--port", str(pport),
-                  "--max_batch", str(a.max_batch), "--max_wait_ms", str(a.max_wait_ms),
-                  "--max_body_bytes", str(a.max_body_bytes)]
+    child_args = [
+        sys.executable,
+        "-m",
+        "serving.serve_local",
+        "--role",
+        "predictor",
+        "--model_name",
+        a.model_name,
+        "--model_uri",
+        a.model_uri or "",
+        "--host",
+        a.host,
+        "--port",
+        str(pport),
+        "--max_batch",
+        str(a.max_batch),
+        "--max_wait_ms",
+        str(a.max_wait_ms),
+        "--max_body_bytes",
+        str(a.max_body_bytes),
+    ]
     child = subprocess.Popen(child_args)
     try:
         wait_ready(f"http://{a.host}:{pport}/v1/models/{a.model_name}", proc=child)

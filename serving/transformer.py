@@ -60,7 +60,9 @@ class FeastTransformer(kserve.Model):
     def __init__(self, name: str, cfg: TransformerConfig, serve_cfg: ServeConfig | None = None):
         super().__init__(name)
         if cfg.unknown_user not in ("empty", "reject") or cfg.unknown_items not in ("reject", "pass"):
-            raise ValueError(f"bad policy: unknown_user={cfg.unknown_user!r}, unknown_items={cfg.unknown_items!r}")
+            raise ValueError(
+                f"bad policy: unknown_user={cfg.unknown_user!r}, unknown_items={cfg.unknown_items!r}"
+            )
         if (cfg.feast_repo is None) == (cfg.feast_url is None):
             raise ValueError("set exactly one of feast_repo or feast_url")
         self.cfg = cfg
@@ -115,12 +117,16 @@ class FeastTransformer(kserve.Model):
             if self.cfg.unknown_items == "reject" and "title" in feats:
                 for j, r in enumerate(span):
                     if feats["title"][r] is None:
-                        raise BadRequest(f"{where}[{i}].candidates[{j}]: unknown item id {cands[j]!r} (not in the feature store)")
+                        raise BadRequest(
+                            f"{where}[{i}].candidates[{j}]: unknown item id {cands[j]!r} (not in the feature store)"
+                        )
             inst = dict(raw)
             if "history" not in raw:  # a client-sent history wins (replays, what-if tests)
                 history = feats["history"][span[0]] if len(span) else None
                 if history is None and self.cfg.unknown_user == "reject":
-                    raise BadRequest(f"{where}[{i}].user_id: unknown user {user_id!r} (no history in the feature store)")
+                    raise BadRequest(
+                        f"{where}[{i}].user_id: unknown user {user_id!r} (no history in the feature store)"
+                    )
                 inst["history"] = list(history or [])
             out.append(inst)
         return out
@@ -150,7 +156,9 @@ class FeastTransformer(kserve.Model):
         # our own parser validates (and names fields consistently for v1 and v2); skip kserve's shallow check
         return payload
 
-    async def predict(self, payload: dict | InferRequest | bytes, headers: dict[str, str] | None = None) -> Any:
+    async def predict(
+        self, payload: dict | InferRequest | bytes, headers: dict[str, str] | None = None
+    ) -> Any:
         try:
             if isinstance(payload, InferRequest):
                 instances, params = v2_instances(payload, self.serve_cfg)
@@ -159,7 +167,9 @@ class FeastTransformer(kserve.Model):
                 data = [json.dumps(p) for p in preds]
                 return InferResponse(
                     model_name=self.name,
-                    infer_outputs=[InferOutput(name="predictions", shape=[len(data)], datatype="BYTES", data=data)],
+                    infer_outputs=[
+                        InferOutput(name="predictions", shape=[len(data)], datatype="BYTES", data=data)
+                    ],
                     response_id=payload.id or str(uuid.uuid4()),
                 )
             instances, params = v1_body(payload, self.serve_cfg)

@@ -28,7 +28,8 @@ def definitions(sources_dir: str | Path) -> list[Any]:
     entities = importlib.import_module("entities")
     features = importlib.import_module("features")
     services = importlib.import_module("services")
-    user_history, item_features = features.build_views(str(Path(sources_dir).resolve()))
+    data_dir = str(sources_dir) if "://" in str(sources_dir) else str(Path(sources_dir).resolve())
+    user_history, item_features = features.build_views(data_dir)
     return [
         entities.user,
         entities.item,

@@ -19,7 +19,9 @@ METRICS = ("recall@1", "recall@3", "recall@5", "ndcg@3", "ndcg@5")
 
 def git_sha() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
+        )
         return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
@@ -59,7 +61,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         "",
         table_markdown(report),
         "",
-        f"Gate: {'PASSED' if gate['passed'] else 'NOT PASSED'}" + "".join(f"\n- {r}" for r in gate["reasons"]),
+        f"Gate: {'PASSED' if gate['passed'] else 'NOT PASSED'}"
+        + "".join(f"\n- {r}" for r in gate["reasons"]),
     ]
     return "\n".join(out) + "\n"
 

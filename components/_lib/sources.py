@@ -78,7 +78,9 @@ def write_sources(
     item_feature_rows(dataset.items, item_tables, snapshot_ts).to_parquet(
         out / "item_features.parquet", index=False
     )
-    if item_tables is not None:  # config + bucket edges to rebuild gr2.evidence.Evidence from the served table
+    if (
+        item_tables is not None
+    ):  # config + bucket edges to rebuild gr2.evidence.Evidence from the served table
         (out / "evidence.json").write_text(json.dumps(item_tables.attrs.get("evidence", {}), default=str))
     meta = {
         "dataset": dataset.name,

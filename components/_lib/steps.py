@@ -70,7 +70,9 @@ def feast_apply(sources_dir: str | Path, store_dir: str | Path, fs_yaml: str = "
     return info
 
 
-def extract(sources_dir: str | Path, store_dir: str | Path, out_path: str | Path, fs_yaml: str = "") -> dict[str, Any]:
+def extract(
+    sources_dir: str | Path, store_dir: str | Path, out_path: str | Path, fs_yaml: str = ""
+) -> dict[str, Any]:
     """Targets (train/val/test, with history) through Feast's point-in-time join; written as parquet."""
     from components._lib import feast_io
 
@@ -80,8 +82,11 @@ def extract(sources_dir: str | Path, store_dir: str | Path, out_path: str | Path
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     targets.to_parquet(out_path, index=False)
     counts = targets["split"].value_counts().to_dict()
-    return {"n_targets": len(targets), **{f"n_{k}": int(v) for k, v in counts.items()},
-            "seconds": round(time.perf_counter() - t0, 2)}
+    return {
+        "n_targets": len(targets),
+        **{f"n_{k}": int(v) for k, v in counts.items()},
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
 
 
 def validate(
@@ -175,9 +180,18 @@ def evaluate(
         own_targets = df["target"].tolist() if own else None  # training lists: subtract their own target
         return ev.features_batch(df["history"].tolist(), df["candidates"].tolist(), own_targets)
 
-    X = {"train": feats(split["train"], True), "val": feats(split["val"], False), "test": feats(split["test"], False)}
+    X = {
+        "train": feats(split["train"], True),
+        "val": feats(split["val"], False),
+        "test": feats(split["test"], False),
+    }
     ltr = fit_ltr(
-        X["train"], split["train"]["label"].to_numpy(), X["val"], split["val"]["label"].to_numpy(), prof.ltr, prof.seed
+        X["train"],
+        split["train"]["label"].to_numpy(),
+        X["val"],
+        split["val"]["label"].to_numpy(),
+        prof.ltr,
+        prof.seed,
     )
     test = split["test"]
     n = prof.data.n_candidates
@@ -193,13 +207,18 @@ def evaluate(
         for name, r in models.items()
     ]
     meta = sources.read_meta(sources_dir)
-    n_test_targets = int((sources.read_dataset(sources_dir).interactions.groupby("user_id").size() >= 2).sum())
+    n_test_targets = int(
+        (sources.read_dataset(sources_dir).interactions.groupby("user_id").size() >= 2).sum()
+    )
     report = {
         "dataset": dataset or meta["dataset"],
         "profile": prof.name,
         "snapshot_date": meta.get("snapshot_date", ""),
         "rows": rows,
-        "gate": {"passed": False, "reasons": ["no candidate model in this pipeline yet (floor evaluation only)"]},
+        "gate": {
+            "passed": False,
+            "reasons": ["no candidate model in this pipeline yet (floor evaluation only)"],
+        },
         "retriever": {
             "name": "cooc",
             "hit_rate": len(test) / n_test_targets if n_test_targets else float("nan"),
@@ -213,4 +232,25 @@ def evaluate(
     from components._lib.report_io import write_report
 
     write_report(report, out_dir)
+    return report
+
+
+def validate_dataset(
+    dataset: str, out_dir: str | Path, profile: str | Profile = "quick", bounds: dict[str, int] | None = None
+):
+    """Validate a dataset folder without a feature store: interactions, items and its positional targets.
+
+    The targets come from gr2.data.split.build_targets (what Feast extraction must reproduce exactly).
+    """
+    from components._lib.validation import Bounds, validate_tables
+    from gr2.data.split import build_targets, event_times
+
+    prof = _profile(profile)
+    ds = load_dataset(resolve_dataset(dataset))
+    inter = ds.interactions.assign(event_ts=event_times(ds.interactions).to_numpy())
+    targets = build_targets(ds, prof.data.history_len)
+    report = validate_tables(inter, ds.items, targets, None, Bounds(**(bounds or {})))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report.write(out / "validation.json", out / "validation.md")
     return report

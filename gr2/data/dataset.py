@@ -80,7 +80,9 @@ def _check_ids(df: pd.DataFrame, col: str, path: Path) -> None:
     bad = np.flatnonzero((ids == "").to_numpy() | df[col].str.contains(r"[\s|]", regex=True).to_numpy())
     if len(bad):
         i = bad[0]
-        raise _fail(path, _line(i), f"empty or bad {col} {df[col].iat[i]!r} (ids must be non-empty, no whitespace)")
+        raise _fail(
+            path, _line(i), f"empty or bad {col} {df[col].iat[i]!r} (ids must be non-empty, no whitespace)"
+        )
 
 
 def _read_items(path: Path) -> pd.DataFrame:
@@ -112,7 +114,9 @@ def _read_interactions(path: Path) -> pd.DataFrame:
     seq = pd.to_numeric(raw["seq_idx"].str.strip(), errors="coerce")
     bad = np.flatnonzero((seq.isna() | (seq != seq.round()) | (seq < 0)).to_numpy())
     if len(bad):
-        raise _fail(path, _line(bad[0]), f"seq_idx {raw['seq_idx'].iat[bad[0]]!r} is not a non-negative integer")
+        raise _fail(
+            path, _line(bad[0]), f"seq_idx {raw['seq_idx'].iat[bad[0]]!r} is not a non-negative integer"
+        )
     out = pd.DataFrame(
         {
             "user_id": raw["user_id"],
@@ -128,7 +132,9 @@ def _read_interactions(path: Path) -> pd.DataFrame:
     dup = np.flatnonzero(out.duplicated(["user_id", "seq_idx"]).to_numpy())
     if len(dup):
         i = dup[0]
-        raise _fail(path, _line(i), f"duplicated row: user {out['user_id'].iat[i]!r} seq_idx {out['seq_idx'].iat[i]}")
+        raise _fail(
+            path, _line(i), f"duplicated row: user {out['user_id'].iat[i]!r} seq_idx {out['seq_idx'].iat[i]}"
+        )
     out["_line"] = np.arange(len(out)) + 2
     out = out.sort_values(["user_id", "seq_idx"], kind="stable").reset_index(drop=True)
     # Split is by position, so seq_idx must be exactly 0..n-1 per user (no gaps).
@@ -190,4 +196,6 @@ def resolve_dataset(name_or_path: str | os.PathLike, cache_dir: str | os.PathLik
     if p.exists():
         return p
     known = sorted(d.name for d in data_root().iterdir() if d.is_dir()) if data_root().is_dir() else []
-    raise FileNotFoundError(f"dataset {s!r} not found: not 'ml-100k', not under {data_root()} ({known}), not a path")
+    raise FileNotFoundError(
+        f"dataset {s!r} not found: not 'ml-100k', not under {data_root()} ({known}), not a path"
+    )

@@ -58,8 +58,14 @@ def test_s3_upload_pointer_download(s3_store, tmp_path):
     m = store.upload("run1", "cft", model, report={"rows": [{"model": "cft", "recall@1": 0.4}]})
     keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"])
     base = f"reranker/run1/cft/{m.attempt}"
-    assert keys == sorted([f"{base}/reranker.json", f"{base}/sub/weights.bin", f"{base}/report.json",
-                           "reranker/run1/cft/manifest.json"])
+    assert keys == sorted(
+        [
+            f"{base}/reranker.json",
+            f"{base}/sub/weights.bin",
+            f"{base}/report.json",
+            "reranker/run1/cft/manifest.json",
+        ]
+    )
     assert m.uri == f"s3://{bucket}/{base}"
     assert store.production() is None  # uploading never touches the pointer
     p = store.promote("run1", "cft", {"model": "cft", "recall@1": 0.4})

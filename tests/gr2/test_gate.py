@@ -44,11 +44,22 @@ def test_data_validation_failure_blocks():
 def test_must_beat_floor_and_ci_is_reported():
     d = decide(rows(**{"recall@1": 0.30}), "diffusion", True, None, CFG)
     assert not d.passed and d.checks["floor"] is False
-    d = decide(rows(**{"recall@1": 0.31, "delta_vs_floor": {"recall@1": [-0.01, 0.03]}}), "diffusion", True, None,
-               GateConfig(max_gap_to_ar=0.2))
+    d = decide(
+        rows(**{"recall@1": 0.31, "delta_vs_floor": {"recall@1": [-0.01, 0.03]}}),
+        "diffusion",
+        True,
+        None,
+        GateConfig(max_gap_to_ar=0.2),
+    )
     assert d.checks["floor"] is True and "includes zero" in d.reasons[1]
     # not required: a loss to the floor is reported but does not block
-    d = decide(rows(**{"recall@1": 0.29}), "diffusion", True, None, GateConfig(max_gap_to_ar=0.2, require_beats_floor=False))
+    d = decide(
+        rows(**{"recall@1": 0.29}),
+        "diffusion",
+        True,
+        None,
+        GateConfig(max_gap_to_ar=0.2, require_beats_floor=False),
+    )
     assert d.passed and d.checks["floor"] is None
 
 

@@ -50,7 +50,10 @@ def model_dir(ml_slice, tmp_path_factory):
 
 def start(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "serving.serve_local", *args], cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT
+        [sys.executable, "-m", "serving.serve_local", *args],
+        cwd=ROOT,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -108,12 +111,16 @@ def feast_repo(ml_slice, tmp_path_factory):
     item = Entity(name="item", join_keys=["item_id"], value_type=ValueType.STRING)
     ttl = dt.timedelta(days=3650)
     uh = FeatureView(
-        name="user_history", entities=[user], ttl=ttl,
+        name="user_history",
+        entities=[user],
+        ttl=ttl,
         schema=[Field(name="history", dtype=Array(String)), Field(name="history_len", dtype=Int64)],
         source=FileSource(path=str(root / "user_history.parquet"), timestamp_field="event_timestamp"),
     )
     itf = FeatureView(
-        name="item_features", entities=[item], ttl=ttl,
+        name="item_features",
+        entities=[item],
+        ttl=ttl,
         schema=[Field(name="title", dtype=String), Field(name="categories", dtype=Array(String))],
         source=FileSource(path=str(root / "item_features.parquet"), timestamp_field="event_timestamp"),
     )
@@ -130,8 +137,16 @@ def transformer(predictor, feast_repo, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("logs") / "transformer.log"
     proc = start(
-        ["--role", "transformer", "--predictor_host", f"127.0.0.1:{predictor['port']}",
-         "--feast_repo", str(feast_repo), "--port", str(port)],
+        [
+            "--role",
+            "transformer",
+            "--predictor_host",
+            f"127.0.0.1:{predictor['port']}",
+            "--feast_repo",
+            str(feast_repo),
+            "--port",
+            str(port),
+        ],
         log,
     )
     wait_ready(f"http://127.0.0.1:{port}/v1/models/{MODEL}", timeout_s=90, proc=proc)

@@ -16,13 +16,26 @@ GOOD_USER = "1"
 
 def v1(base: str, body, **kw) -> httpx.Response:
     content = body if isinstance(body, bytes | str) else json.dumps(body)
-    return httpx.post(f"{base}/v1/models/{MODEL}:predict", content=content,
-                      headers={"content-type": "application/json"}, timeout=30, **kw)
+    return httpx.post(
+        f"{base}/v1/models/{MODEL}:predict",
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=30,
+        **kw,
+    )
 
 
 def v2(base: str, instances: list, parameters: dict | None = None, datatype: str = "BYTES") -> httpx.Response:
-    body = {"inputs": [{"name": "instances", "shape": [len(instances)], "datatype": datatype,
-                        "data": [json.dumps(i) for i in instances]}]}
+    body = {
+        "inputs": [
+            {
+                "name": "instances",
+                "shape": [len(instances)],
+                "datatype": datatype,
+                "data": [json.dumps(i) for i in instances],
+            }
+        ]
+    }
     if parameters:
         body["parameters"] = parameters
     return httpx.post(f"{base}/v2/models/{MODEL}/infer", json=body, timeout=30)
@@ -52,24 +65,40 @@ def server(request, predictor):
 
 def test_v1_ranks_in_upstream_order(server, items):
     cands = items[5:15]
-    r = v1(server["url"], {"instances": [{"user_id": GOOD_USER, "candidates": cands, "history": items[:3]},
-                                         {"user_id": "2", "candidates": cands[::-1], "history": [], "trace": True}]})
+    r = v1(
+        server["url"],
+        {
+            "instances": [
+                {"user_id": GOOD_USER, "candidates": cands, "history": items[:3]},
+                {"user_id": "2", "candidates": cands[::-1], "history": [], "trace": True},
+            ]
+        },
+    )
     assert r.status_code == 200, r.text
     p0, p1 = r.json()["predictions"]
     assert p0["ranking"] == cands and p1["ranking"] == cands[::-1]
     assert p0["valid"] is True and p0["fallback"] is False and p0["nfe"] == 0 and p0["model"] == "floor"
     assert p0["decoder"] == "diffusion" and p0["tau"] == 0.9  # defaults
-    assert p0["history_len"] == 3 and p1["history_len"] == 0  # a client-sent history wins, also via transformer
+    assert (
+        p0["history_len"] == 3 and p1["history_len"] == 0
+    )  # a client-sent history wins, also via transformer
     assert "trace" not in p0 and p1["trace"] is None  # trace only on request (the floor writes none)
     assert set(p0["timing_ms"]) == {"queue", "model", "total"} and p0["batch_size"] >= 1
 
 
 def test_v2_with_parameters(server, items):
     cands = items[20:24]
-    preds = v2_predictions(v2(server["url"], [{"user_id": GOOD_USER, "candidates": cands, "history": []}],
-                              parameters={"decoder": "ar"}))
+    preds = v2_predictions(
+        v2(
+            server["url"],
+            [{"user_id": GOOD_USER, "candidates": cands, "history": []}],
+            parameters={"decoder": "ar"},
+        )
+    )
     assert preds[0]["ranking"] == cands and preds[0]["decoder"] == "ar" and preds[0]["tau"] is None
-    preds = v2_predictions(v2(server["url"], [{"user_id": GOOD_USER, "candidates": cands, "tau": 0.4, "history": []}]))
+    preds = v2_predictions(
+        v2(server["url"], [{"user_id": GOOD_USER, "candidates": cands, "tau": 0.4, "history": []}])
+    )
     assert preds[0]["tau"] == 0.4
 
 
@@ -89,18 +118,42 @@ def test_transformer_fetches_history_from_feast(transformer, ml_slice, items):
 
 
 BAD_INSTANCES = [
-    ("unknown item", lambda it: {"user_id": "1", "candidates": [it[0], "no-such-item"], "history": []}, "candidates[1]"),
-    ("duplicate", lambda it: {"user_id": "1", "candidates": [it[0], it[1], it[0]], "history": []}, "candidates[2]: duplicate"),
+    (
+        "unknown item",
+        lambda it: {"user_id": "1", "candidates": [it[0], "no-such-item"], "history": []},
+        "candidates[1]",
+    ),
+    (
+        "duplicate",
+        lambda it: {"user_id": "1", "candidates": [it[0], it[1], it[0]], "history": []},
+        "candidates[2]: duplicate",
+    ),
     ("too many", lambda it: {"user_id": "1", "candidates": it[:11], "history": []}, "candidates: too many"),
     ("too few", lambda it: {"user_id": "1", "candidates": it[:1], "history": []}, "candidates: too few"),
     ("user_id type", lambda it: {"user_id": 5, "candidates": it[:3], "history": []}, "user_id"),
-    ("candidates type", lambda it: {"user_id": "1", "candidates": ",".join(it[:3]), "history": []}, "candidates"),
+    (
+        "candidates type",
+        lambda it: {"user_id": "1", "candidates": ",".join(it[:3]), "history": []},
+        "candidates",
+    ),
     ("candidate type", lambda it: {"user_id": "1", "candidates": [it[0], 7], "history": []}, "candidates[1]"),
     ("history type", lambda it: {"user_id": "1", "candidates": it[:3], "history": "abc"}, "history"),
     ("tau type", lambda it: {"user_id": "1", "candidates": it[:3], "history": [], "tau": "high"}, "tau"),
-    ("tau bounds", lambda it: {"user_id": "1", "candidates": it[:3], "history": [], "tau": 0.0}, "tau: must be within"),
-    ("decoder", lambda it: {"user_id": "1", "candidates": it[:3], "history": [], "decoder": "beam"}, "decoder"),
-    ("typo field", lambda it: {"user_id": "1", "candidates": it[:3], "history": [], "taus": 0.5}, "taus: unknown field"),
+    (
+        "tau bounds",
+        lambda it: {"user_id": "1", "candidates": it[:3], "history": [], "tau": 0.0},
+        "tau: must be within",
+    ),
+    (
+        "decoder",
+        lambda it: {"user_id": "1", "candidates": it[:3], "history": [], "decoder": "beam"},
+        "decoder",
+    ),
+    (
+        "typo field",
+        lambda it: {"user_id": "1", "candidates": it[:3], "history": [], "taus": 0.5},
+        "taus: unknown field",
+    ),
     ("not an object", lambda it: ["1", it[:3]], "expected an object"),
 ]
 
@@ -122,7 +175,11 @@ def test_bad_requests(server, items):
     url = server["url"]
     r = v1(url, b'{"instances": [{"user_id": "1", "candidates": [')
     assert r.status_code == 400 and r.json()["error"].startswith("body: malformed JSON")
-    r = httpx.post(f"{url}/v2/models/{MODEL}/infer", content=b'{"inputs": [', headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{url}/v2/models/{MODEL}/infer",
+        content=b'{"inputs": [',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and r.json()["error"].startswith("body: malformed JSON")
     r = v1(url, {"instances": {"user_id": "1"}})
     assert r.status_code == 400 and r.json()["error"].startswith("instances: must be a list")
@@ -132,12 +189,17 @@ def test_bad_requests(server, items):
     assert r.status_code == 400 and "instances: empty" in r.json()["error"]
     r = v1(url, {"instances": [{"user_id": "1", "candidates": items[:3]}] * 65})
     assert r.status_code == 400 and "instances: too many instances" in r.json()["error"]
-    r = v1(url, {"instances": [{"user_id": "1", "candidates": items[:3]}], "parameters": {"decoder": "greedy"}})
+    r = v1(
+        url, {"instances": [{"user_id": "1", "candidates": items[:3]}], "parameters": {"decoder": "greedy"}}
+    )
     assert r.status_code == 400 and r.json()["error"].startswith("parameters.decoder")
     r = v2(url, [{"user_id": "1", "candidates": items[:3]}], datatype="FP32")
     assert r.status_code == 400 and r.json()["error"].startswith("inputs[0].datatype")
-    r = httpx.post(f"{url}/v2/models/{MODEL}/infer", timeout=30, json={"inputs": [
-        {"name": "instances", "shape": [1], "datatype": "BYTES", "data": ["{not json"]}]})
+    r = httpx.post(
+        f"{url}/v2/models/{MODEL}/infer",
+        timeout=30,
+        json={"inputs": [{"name": "instances", "shape": [1], "datatype": "BYTES", "data": ["{not json"]}]},
+    )
     assert r.status_code == 400 and r.json()["error"].startswith("inputs[0].data[0]: malformed JSON")
     big = {"instances": [{"user_id": "1", "candidates": items[:3], "history": ["x" * 100] * 3000}]}
     r = v1(url, big)

@@ -29,13 +29,17 @@ def test_batcher_batches_concurrent_requests_and_keeps_order():
     async def main():
         b = MicroBatcher(rank, max_batch=4, max_wait_ms=50)
         reqs = [RankRequest(str(k), [f"a{k}", f"b{k}"], []) for k in range(10)]
-        out = await asyncio.gather(*(b.submit(r, "diffusion", 0.9) for r in reqs[:9]), b.submit(reqs[9], "ar", 0.9))
+        out = await asyncio.gather(
+            *(b.submit(r, "diffusion", 0.9) for r in reqs[:9]), b.submit(reqs[9], "ar", 0.9)
+        )
         return reqs, out, b
 
     reqs, out, b = asyncio.run(main())
     assert [t.result.ranking for t in out] == [r.candidates for r in reqs]
     # 9 diffusion requests -> batches of 4, 4 and (4 minus the ar one = 1 grouped apart); ar alone
-    assert sorted(calls) == sorted([(4, "diffusion", 0.9), (4, "diffusion", 0.9), (1, "diffusion", 0.9), (1, "ar", 0.9)])
+    assert sorted(calls) == sorted(
+        [(4, "diffusion", 0.9), (4, "diffusion", 0.9), (1, "diffusion", 0.9), (1, "ar", 0.9)]
+    )
     assert b.largest_batch == 4 and out[0].batch_size == 4
 
 
@@ -72,11 +76,17 @@ def test_predictor_loads_from_s3_uri(tmp_path, monkeypatch):
     server.start()
     try:
         host, port = server.get_host_and_port()
-        for k, v in {"AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t", "AWS_DEFAULT_REGION": "us-east-1",
-                     "S3_ENDPOINT_URL": f"http://{host}:{port}", "GR2_S3_BUCKET": "models"}.items():
+        for k, v in {
+            "AWS_ACCESS_KEY_ID": "t",
+            "AWS_SECRET_ACCESS_KEY": "t",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "S3_ENDPOINT_URL": f"http://{host}:{port}",
+            "GR2_S3_BUCKET": "models",
+        }.items():
             monkeypatch.setenv(k, v)
-        boto3.client("s3", endpoint_url=f"http://{host}:{port}",
-                     config=Config(s3={"addressing_style": "path"})).create_bucket(Bucket="models")
+        boto3.client(
+            "s3", endpoint_url=f"http://{host}:{port}", config=Config(s3={"addressing_style": "path"})
+        ).create_bucket(Bucket="models")
         model = FloorReranker(name="floor-s3", n_candidates=4, items=["a", "b", "c"]).save(tmp_path / "m")
         manifest = open_store().upload("run9", "model", model)
         p = RerankPredictor("reranker", model_uri=manifest.uri)
@@ -91,8 +101,9 @@ def test_predictor_loads_from_s3_uri(tmp_path, monkeypatch):
 
 def test_transformer_policies(feast_repo, ml_slice):
     items = list(ml_slice["items"]["item_id"])
-    strict = FeastTransformer("reranker", TransformerConfig("127.0.0.1:1", feast_repo=str(feast_repo),
-                                                            unknown_user="reject"))
+    strict = FeastTransformer(
+        "reranker", TransformerConfig("127.0.0.1:1", feast_repo=str(feast_repo), unknown_user="reject")
+    )
     strict.load()
     out = asyncio.run(strict.enrich([{"user_id": "3", "candidates": items[:2]}], "instances"))
     assert out[0]["history"] == ml_slice["history"]["3"]
@@ -100,8 +111,9 @@ def test_transformer_policies(feast_repo, ml_slice):
         asyncio.run(strict.enrich([{"user_id": "ghost", "candidates": items[:2]}], "instances"))
     with pytest.raises(ValueError, match=r"instances\[0\].candidates\[1\]: unknown item id 'zzz'"):
         asyncio.run(strict.enrich([{"user_id": "3", "candidates": [items[0], "zzz"]}], "instances"))
-    lenient = FeastTransformer("reranker", TransformerConfig("127.0.0.1:1", feast_repo=str(feast_repo),
-                                                             unknown_items="pass"))
+    lenient = FeastTransformer(
+        "reranker", TransformerConfig("127.0.0.1:1", feast_repo=str(feast_repo), unknown_items="pass")
+    )
     lenient.load()
     out = asyncio.run(lenient.enrich([{"user_id": "ghost", "candidates": [items[0], "zzz"]}], "instances"))
     assert out[0]["history"] == []

@@ -1,0 +1,69 @@
+"""KFP component: roll the gated model out (serving/rollout.py): upload to the artifact store, render the
+InferenceService overlay with the model's storage URI and a canary percentage, then either stop there
+(dry_run: manifests + plan.json only) or apply, wait, smoke-test the `latest-` tag URL, and promote
+(write the production pointer) or roll back. Place it under the gate's `dsl.If`.
+"""
+
+# no `from __future__ import annotations`: KFP reads the real annotation objects
+
+from typing import NamedTuple
+
+from kfp import dsl
+from kfp.dsl import Artifact, Input, Model, Output
+
+from components._image import COMPONENT_KWARGS
+
+
+@dsl.component(**COMPONENT_KWARGS)
+def deploy(
+    model: Input[Model],
+    decision: Input[Artifact],
+    plan: Output[Artifact],
+    run_id: str,
+    stage: str,
+    overlay: str = "manifests/overlays/prod",
+    canary_percent: int = 10,
+    dry_run: bool = True,
+    smoke_instance_json: str = "",
+    store_bucket: str = "",
+    store_prefix: str = "",
+    store_endpoint: str = "",
+    store_local_root: str = "",
+) -> NamedTuple("DeployOutputs", outcome=str, storage_uri=str):
+    """`decision` is the gate's output (its report row becomes the production record when promoted)."""
+    import json
+    from collections import namedtuple
+    from pathlib import Path
+
+    import components
+    from components.artifact_store import open_store
+    from gr2.gate import read_report
+    from serving.rollout import rollout
+
+    dec = json.loads((Path(decision.path) / "decision.json").read_text())
+    if not dec["passed"]:
+        raise RuntimeError("deploy called for a model that did not pass the gate")
+    report = read_report(decision.path)
+    row = next(r for r in report["rows"] if r["model"] == dec["candidate"])
+    record = {
+        "model": dec["candidate"],
+        "run_id": run_id,
+        **{k: row[k] for k in ("recall@1", "ndcg@5") if k in row},
+    }
+    store = open_store(
+        bucket=store_bucket or None,
+        prefix=store_prefix or None,
+        endpoint_url=store_endpoint or None,
+        local_root=store_local_root or None,
+    )
+    overlay_path = Path(overlay)
+    if not overlay_path.is_absolute() and not overlay_path.exists():
+        overlay_path = Path(components.__file__).resolve().parents[1] / overlay  # relative to the repo root
+    smoke = json.loads(smoke_instance_json) if smoke_instance_json else {}
+    if not smoke and not dry_run:  # the canary must be asked something it can answer
+        raise ValueError("smoke_instance_json is required unless dry_run: one {user_id, candidates} instance")
+    p = rollout(
+        model.path, run_id, stage, record, store, overlay_path, plan.path, smoke, canary_percent, dry_run
+    )
+    plan.metadata["outcome"] = p.outcome
+    return namedtuple("DeployOutputs", ["outcome", "storage_uri"])(p.outcome, p.storage_uri)

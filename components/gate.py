@@ -1,0 +1,53 @@
+"""KFP component: the evaluation gate. Reads the evaluation report and the production model's record (from
+the artifact store), decides with gr2.gate's rules, and returns `passed` as its single output (so the DAG
+puts deploy under `dsl.If(gate_task.outputs["Output"] == True)`; kfp.local 2.17 cannot resolve a condition on a
+NamedTuple field: it parses the channel `gate-passed` as a pipeline input). The reasons are written into a
+copy of the report (top-level `gate`), decision.json, a Markdown summary for the KFP UI and the task log.
+The body imports its helpers (gr2.gate.run_gate, artifact_store.production_record) at run time: inside the
+KFP executor `kfp.dsl` is a runtime stub, so a component module cannot be imported there.
+"""
+
+# no `from __future__ import annotations`: KFP reads the real annotation objects
+
+from kfp import dsl
+from kfp.dsl import Artifact, Input, Markdown, Metrics, Output
+
+from components._image import COMPONENT_KWARGS
+
+
+@dsl.component(**COMPONENT_KWARGS)
+def gate(
+    report: Input[Artifact],
+    decision: Output[Artifact],
+    summary: Output[Markdown],
+    metrics: Output[Metrics],
+    candidate: str,
+    data_validation_passed: bool,
+    profile: str = "quick",
+    production_json: str = "",
+    store_bucket: str = "",
+    store_prefix: str = "",
+    store_endpoint: str = "",
+    store_local_root: str = "",
+) -> bool:
+    """`production_json` overrides the store lookup ("null" = nothing in production)."""
+    import shutil
+    from pathlib import Path
+
+    from components.artifact_store import production_record
+    from gr2.gate import run_gate
+
+    prod = production_record(
+        production_json,
+        bucket=store_bucket,
+        prefix=store_prefix,
+        endpoint_url=store_endpoint,
+        local_root=store_local_root,
+    )
+    res = run_gate(report.path, decision.path, candidate, data_validation_passed, profile, prod)
+    shutil.copy(Path(decision.path) / "gate.md", summary.path)
+    decision.metadata["passed"] = res["passed"]
+    metrics.log_metric("gate/passed", float(res["passed"]))
+    for line in res["reasons"]:
+        print(line)
+    return res["passed"]

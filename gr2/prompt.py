@@ -1,0 +1,230 @@
+"""The one owner of the text format: prompt, trace words, answer JSON, encoding with loss weights, parsing.
+
+Prompt (whitespace-separated closed-vocabulary tokens, ~200 tokens for H = 20, N = 10, 6 features):
+    history <a_3> <b_17> <c_9> <d_0> ... candidates [A] <a_..> <b_..> <c_..> <d_..> <trans_3> <co_1> ... [B] ...
+Response = trace then answer (the answer is valid JSON once the tokens are joined by spaces):
+    step 1 : [C] follows last item <trans_3> ; co-occurs with history <co_2> ; step 2 : ... top [C] [A] [F]
+    { "ranking" : [ "C" , "A" , ... ] }
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from gr2.sid import sid_token
+
+# --- vocabulary pieces --------------------------------------------------------------------------------------
+HISTORY, CANDIDATES, TOP = "history", "candidates", "top"
+STEP, COLON, SEMI = "step", ":", ";"
+NO_SIGNAL = "no strong signal"
+JSON_TOKENS = ["{", "}", '"ranking"', ":", "[", "]", ","]
+
+# Evidence feature name -> short token stem, matched by keyword in order (the evidence module owns the names).
+_ALIAS_RULES = [
+    ("trans_rec", "trec"),
+    ("trans", "trans"),
+    ("cooc", "co"),
+    ("co_occ", "co"),
+    ("co-occ", "co"),
+    ("pop", "pop"),
+    ("categ", "cat"),
+    ("content", "sim"),
+    ("sim", "sim"),
+    ("retriev", "rank"),
+    ("rank", "rank"),
+    ("recen", "rec"),
+]
+# What a strong bucket of each feature means, in words (the trace vocabulary).
+FEATURE_PHRASES = {
+    "trans": "follows last item",
+    "trec": "follows recent items",
+    "co": "co-occurs with history",
+    "pop": "is popular",
+    "cat": "shares category with history",
+    "sim": "similar to history",
+    "rank": "ranked high by retriever",
+    "rec": "matches recent items",
+}
+
+
+def feature_alias(name: str) -> str:
+    """Short, token-safe stem for an evidence feature name (e.g. 'transition_from_last' -> 'trans')."""
+    low = name.lower()
+    for key, alias in _ALIAS_RULES:
+        if key in low:
+            return alias
+    return re.sub(r"[^a-z0-9]+", "_", low).strip("_") or "f"
+
+
+def feature_aliases(feature_names: Sequence[str] | None, n_features: int) -> list[str]:
+    """Aliases for all features, made unique (duplicate stems get a numeric suffix); f0.. when names are None."""
+    if feature_names is None:
+        return [f"f{i}" for i in range(n_features)]
+    out: list[str] = []
+    for name in feature_names:
+        a = feature_alias(name)
+        base, k = a, 2
+        while a in out:
+            a, k = f"{base}{k}", k + 1
+        out.append(a)
+    return out
+
+
+def feature_phrase(alias: str) -> str:
+    return FEATURE_PHRASES.get(alias.rstrip("0123456789"), f"{alias} signal")
+
+
+def bucket_token(alias: str, bucket: int) -> str:
+    return f"<{alias}_{int(bucket)}>"
+
+
+def label_token(i: int) -> str:
+    """Candidate label as cited in the prompt and trace: [A], [B], ..."""
+    return f"[{chr(ord('A') + i)}]"
+
+
+def answer_label_token(i: int) -> str:
+    """Candidate label inside the JSON answer: "A" (a JSON string)."""
+    return f'"{chr(ord("A") + i)}"'
+
+
+def format_vocabulary(
+    feature_names: Sequence[str] | None, n_features: int, n_buckets: int, max_labels: int
+) -> list[str]:
+    """Every non-SID, non-special token the format can emit, in a stable order (the tokenizer's vocabulary)."""
+    aliases = feature_aliases(feature_names, n_features)
+    words = [HISTORY, CANDIDATES, TOP, STEP, COLON, SEMI, *NO_SIGNAL.split()]
+    words += [str(i) for i in range(1, max_labels + 1)]  # step numbers
+    for a in aliases:
+        words += feature_phrase(a).split()
+    toks = words + JSON_TOKENS
+    toks += [label_token(i) for i in range(max_labels)] + [answer_label_token(i) for i in range(max_labels)]
+    toks += [bucket_token(a, b) for a in aliases for b in range(n_buckets)]
+    return list(dict.fromkeys(toks))  # de-duplicate, keep order
+
+
+# --- rendering ----------------------------------------------------------------------------------------------
+def _sid_text(codes: Sequence[int]) -> str:
+    return " ".join(sid_token(level, c) for level, c in enumerate(codes))
+
+
+def render_prompt(
+    history_sids: Sequence[Sequence[int]],
+    candidate_sids: Sequence[Sequence[int]],
+    evidence_buckets: np.ndarray | Sequence[Sequence[int]],
+    feature_names: Sequence[str] | None = None,
+) -> str:
+    """Prompt text: history SIDs (oldest -> newest), then per candidate its label, SID and evidence buckets."""
+    buckets = np.asarray(evidence_buckets, dtype=np.int64).reshape(len(candidate_sids), -1)
+    aliases = feature_aliases(feature_names, buckets.shape[1])
+    parts = [HISTORY, *(_sid_text(s) for s in history_sids), CANDIDATES]
+    for i, sid in enumerate(candidate_sids):
+        ev = " ".join(bucket_token(a, b) for a, b in zip(aliases, buckets[i], strict=True))
+        parts.append(f"{label_token(i)} {_sid_text(sid)} {ev}".rstrip())
+    return " ".join(parts)
+
+
+def render_answer(ranking_labels: Sequence[int | str]) -> str:
+    """The JSON answer as space-separated tokens; json.loads accepts it as is."""
+    labels = [answer_label_token(r) if isinstance(r, int | np.integer) else f'"{r}"' for r in ranking_labels]
+    return '{ "ranking" : [ ' + " , ".join(labels) + " ] }"
+
+
+def render_response(trace: str | None, ranking_labels: Sequence[int | str]) -> str:
+    """Trace (if any) then the answer. ranking_labels: candidate indices (0 = A) or label letters, best first."""
+    answer = render_answer(ranking_labels)
+    return f"{trace.strip()} {answer}" if trace else answer
+
+
+def encode_example(
+    tokenizer: Any,
+    history_sids: Sequence[Sequence[int]],
+    candidate_sids: Sequence[Sequence[int]],
+    evidence_buckets: np.ndarray | Sequence[Sequence[int]],
+    ranking: Sequence[int],
+    trace: str | None = None,
+    feature_names: Sequence[str] | None = None,
+    answer_weight: float = 1.0,
+    trace_weight: float = 0.5,
+) -> tuple[list[int], list[int], list[float]]:
+    """(prompt_ids, response_ids, response_weights): <bos> + prompt; trace + answer + <eos>.
+
+    Answer tokens (and <eos>) weigh answer_weight, trace tokens trace_weight (GR2: lambda_r < lambda_o).
+    Raises if any token falls outside the vocabulary: a silent <unk> would train on garbage.
+    """
+    prompt = render_prompt(history_sids, candidate_sids, evidence_buckets, feature_names)
+    p_ids = [tokenizer.bos_token_id, *_encode(tokenizer, prompt)]
+    t_ids = _encode(tokenizer, trace) if trace else []
+    a_ids = [*_encode(tokenizer, render_answer(ranking)), tokenizer.eos_token_id]
+    weights = [trace_weight] * len(t_ids) + [answer_weight] * len(a_ids)
+    return p_ids, t_ids + a_ids, weights
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if tokenizer.unk_token_id in ids:
+        bad = [w for w in text.split() if tokenizer.convert_tokens_to_ids(w) == tokenizer.unk_token_id]
+        raise ValueError(f"tokens outside the vocabulary: {sorted(set(bad))[:10]}")
+    return ids
+
+
+# --- parsing ------------------------------------------------------------------------------------------------
+MISSING_ANSWER = "missing answer"
+UNPARSEABLE = "unparseable JSON"
+WRONG_LENGTH = "wrong length"
+OUT_OF_SET = "out-of-set label"
+DUPLICATE = "duplicate label"
+OMITTED = "omitted label"
+
+
+class ParseResult(NamedTuple):
+    ranking: list[int] | None  # candidate indices, best first; None when invalid
+    reason: str | None  # one of the constants above when invalid
+    detail: str | None = None  # e.g. which label was duplicated
+
+
+def parse_response(
+    response: str | Sequence[int], n_candidates: int = 10, tokenizer: Any = None
+) -> ParseResult:
+    """Parse a generated response (text, or token ids with `tokenizer`) into a ranking, or say precisely why not.
+
+    Checks, in order: an answer object exists ('{'), it is JSON with a "ranking" list, its length is not above
+    N, every label is one of the N candidates, no label repeats, none is missing.
+    """
+    if not isinstance(response, str):
+        if tokenizer is None:
+            raise ValueError("parse_response needs the tokenizer to decode token ids")
+        response = tokenizer.decode(list(response), skip_special_tokens=True)
+    start = response.find("{")
+    if start < 0:
+        return ParseResult(None, MISSING_ANSWER, "no '{' in the response")
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(response[start:])
+    except json.JSONDecodeError as e:
+        return ParseResult(None, UNPARSEABLE, str(e))
+    if not isinstance(obj, dict) or "ranking" not in obj:
+        return ParseResult(None, MISSING_ANSWER, 'no "ranking" key in the answer object')
+    labels = obj["ranking"]
+    if not isinstance(labels, list):
+        return ParseResult(None, UNPARSEABLE, '"ranking" is not a list')
+    if len(labels) > n_candidates:
+        return ParseResult(None, WRONG_LENGTH, f"{len(labels)} labels for {n_candidates} candidates")
+    idx: list[int] = []
+    for lab in labels:
+        if not (isinstance(lab, str) and len(lab) == 1 and 0 <= ord(lab) - ord("A") < n_candidates):
+            return ParseResult(None, OUT_OF_SET, repr(lab))
+        idx.append(ord(lab) - ord("A"))
+    seen: set[int] = set()
+    for i in idx:
+        if i in seen:
+            return ParseResult(None, DUPLICATE, chr(ord("A") + i))
+        seen.add(i)
+    if len(idx) < n_candidates:
+        missing = [chr(ord("A") + i) for i in range(n_candidates) if i not in seen]
+        return ParseResult(None, OMITTED, ",".join(missing))
+    return ParseResult(idx, None)

@@ -1,0 +1,149 @@
+"""Run report: report.json (CONTRACTS.md "Report row") and a readable report.md, plus run metadata."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from gr2.metrics import METRICS, evaluate, identity_rankings
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_sha(repo: str | Path = REPO_ROOT) -> str:
+    """HEAD commit (with "-dirty" if tracked files changed); "unknown" outside a git checkout."""
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine_info() -> dict:
+    """CPU model, cores, platform, torch version and GPU (if torch sees one)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        info["torch"], info["gpu"] = None, None
+    return info
+
+
+def floor_row(examples: pd.DataFrame, n_boot: int = 1000, seed: int = 0) -> dict:
+    """The pre-rank floor (retriever order) as a report row."""
+    n = len(examples["candidates"].iat[0]) if len(examples) else 0
+    return evaluate(examples, identity_rankings(len(examples), n), None, None, n_boot, seed, model="floor")
+
+
+def _json_default(o):
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _fmt(x, digits: int = 4) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float) and np.isnan(x):
+        return "nan"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def _ci(row: dict, m: str, key: str = "ci95", sign: bool = False) -> str:
+    ci = (row.get(key) or {}).get(m)
+    if not ci:
+        return ""
+    f = "{:+.3f}" if sign else "{:.3f}"
+    return f" [{f.format(ci[0])}, {f.format(ci[1])}]"
+
+
+def render_markdown(report: dict, plots: list[str] | None = None) -> str:
+    """Markdown: header facts, the rows table (metrics with 95% CIs, R@1 delta vs floor), retriever, gate."""
+    out = [f"# Report: {report.get('dataset', '?')} / profile {report.get('profile', '?')}", ""]
+    out += [f"- git: `{report.get('git_sha', 'unknown')}`"]
+    mach = report.get("machine") or {}
+    if mach:
+        out += [
+            f"- machine: {mach.get('cpu')} x{mach.get('cores')}, torch {mach.get('torch')}, gpu {mach.get('gpu')}"
+        ]
+    ret = report.get("retriever") or {}
+    if ret:
+        out += [
+            f"- retriever `{ret.get('name')}`: hit rate {_fmt(ret.get('hit_rate'))} "
+            f"({ret.get('n_test_examples')} test examples reach re-ranking)"
+        ]
+    out += [
+        "",
+        "| model | tau | "
+        + " | ".join(METRICS)
+        + " | ΔR@1 vs floor | validity | n_users | nfe/seq | speedup |",
+    ]
+    out += ["|" + "---|" * (len(METRICS) + 7)]
+    for row in report.get("rows", []):
+        cells = [str(row.get("model", "")), _fmt(row.get("tau"), 2)]
+        cells += [_fmt(row.get(m), 3) + _ci(row, m) for m in METRICS]
+        d = (row.get("delta_vs_floor_mean") or {}).get("recall@1")
+        cells += [("" if d is None else f"{d:+.3f}") + _ci(row, "recall@1", "delta_vs_floor", sign=True)]
+        cells += [_fmt(row.get("validity"), 3), str(row.get("n_users", "")), _fmt(row.get("nfe_per_seq"), 2)]
+        cells += [_fmt(row.get("speedup_vs_ar"), 2)]
+        out += ["| " + " | ".join(cells) + " |"]
+    gate = report.get("gate")
+    if gate is not None:
+        out += ["", f"**Gate: {'PASSED' if gate.get('passed') else 'FAILED'}**"]
+        out += [f"- {r}" for r in gate.get("reasons", [])]
+    if plots:
+        out += ["", "## Plots"] + [f"![{Path(p).stem}]({p})" for p in plots]
+    return "\n".join(out) + "\n"
+
+
+def write_report(run_dir: str | Path, report: dict) -> Path:
+    """Write report.json + report.md into run_dir and point `<run_dir>/../latest` at it. Returns run_dir."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
+    plots = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*.png"))
+    (run_dir / "report.md").write_text(render_markdown(report, report.get("plots") or plots))
+    latest = run_dir.parent / "latest"
+    tmp = run_dir.parent / f".latest.{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(run_dir.name)  # relative, so the runs folder can be moved
+    os.replace(tmp, latest)  # atomic swap: readers never see a missing link
+    return run_dir

@@ -1,0 +1,135 @@
+"""Run the retraining DAG locally with kfp.local (SubprocessRunner, use_venv=False): `make run`.
+
+    python -m pipelines.run_local --profile quick --dataset ml-100k [--benchmark-dir benchmarks]
+
+Artifacts go under runs/<run_id>/kfp (the pipeline root); the evaluation's report is copied to
+runs/<run_id>/report.json / report.md, runs/latest points to the newest run, and the floor table is printed.
+With --benchmark-dir the report is also copied to <dir>/<dataset>.json / .md with the command, machine and
+git sha.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from components._lib.paths import REPO_ROOT
+from components._lib.report_io import table_markdown
+
+
+def _dataset_label(dataset: str) -> str:
+    return Path(dataset).name if "/" in dataset else dataset
+
+
+def _latest(pattern: str, root: Path) -> Path | None:
+    hits = sorted(root.glob(pattern), key=lambda p: p.stat().st_mtime)
+    return hits[-1] if hits else None
+
+
+def run_local(
+    dataset: str = "ml-100k",
+    profile: str = "quick",
+    runs_dir: str | Path = REPO_ROOT / "runs",
+    run_id: str = "",
+    snapshot_date: str = "",
+    max_users: int = 0,
+    bounds_json: str = "{}",
+    benchmark_dir: str | None = None,
+) -> dict:
+    """Execute the pipeline locally; returns {"run_dir", "report" (or None), "validation", "seconds"}."""
+    from kfp import local
+
+    from pipelines.pipeline import gr2_pipeline
+
+    label = _dataset_label(dataset)
+    run_id = run_id or f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{label}-{Path(profile).stem}"
+    run_dir = Path(runs_dir).resolve() / run_id
+    root = run_dir / "kfp"
+    root.mkdir(parents=True, exist_ok=True)
+    # Components import gr2/components from the project; the subprocesses inherit this environment.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
+    t0 = time.perf_counter()
+    gr2_pipeline(
+        dataset=dataset,
+        profile=profile,
+        snapshot_date=snapshot_date or f"{datetime.now(UTC):%Y-%m-%d}",
+        max_users=max_users,
+        bounds_json=bounds_json,
+    )
+    seconds = time.perf_counter() - t0
+    out: dict = {"run_dir": str(run_dir), "report": None, "validation": [], "seconds": round(seconds, 1)}
+    for v in sorted(root.glob("**/validation.json")):
+        out["validation"].append(json.loads(v.read_text()))
+    report_json = _latest("**/report/report.json", root)
+    if report_json is not None:
+        report = json.loads(report_json.read_text())
+        report["command"] = " ".join(
+            shlex.quote(a) for a in [Path(sys.executable).name, "-m", "pipelines.run_local", *sys.argv[1:]]
+        )
+        report["run_id"] = run_id
+        report["pipeline_seconds"] = round(seconds, 1)
+        (run_dir / "report.json").write_text(json.dumps(report, indent=2))
+        md = report_json.with_name("report.md").read_text()
+        md += f"\nRun `{run_id}`, pipeline {seconds:.0f} s, command `{report['command']}`.\n"
+        (run_dir / "report.md").write_text(md)
+        out["report"] = report
+        if benchmark_dir:
+            bench = Path(benchmark_dir)
+            bench.mkdir(parents=True, exist_ok=True)
+            shutil.copy(run_dir / "report.json", bench / f"{label}.json")
+            shutil.copy(run_dir / "report.md", bench / f"{label}.md")
+    latest = Path(runs_dir).resolve() / "latest"
+    if latest.is_symlink() or latest.exists():
+        latest.unlink()
+    latest.symlink_to(run_id)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", default="ml-100k", help="ml-100k, a name under ../shared/data, or a path")
+    ap.add_argument("--profile", default="quick", help="profile name (profiles/<name>.yaml) or path")
+    ap.add_argument("--benchmark-dir", default=None, help="also copy the report to <dir>/<dataset>.json/.md")
+    ap.add_argument("--runs-dir", default=str(REPO_ROOT / "runs"))
+    ap.add_argument("--run-id", default="")
+    ap.add_argument("--snapshot-date", default="", help="data version (default: today, UTC)")
+    ap.add_argument("--max-users", type=int, default=0, help="first N users only (0 = all)")
+    ap.add_argument("--bounds-json", default="{}", help="validation row-count bounds override (JSON)")
+    a = ap.parse_args(argv)
+    res = run_local(
+        a.dataset,
+        a.profile,
+        a.runs_dir,
+        a.run_id,
+        a.snapshot_date,
+        a.max_users,
+        a.bounds_json,
+        a.benchmark_dir,
+    )
+    if res["report"] is None:
+        print(f"\nNo report: validation stopped the pipeline after {res['seconds']} s ({res['run_dir']}).")
+        for v in res["validation"]:
+            if not v["passed"]:
+                print(v["message"])
+        return 1
+    rep = res["report"]
+    ret = rep["retriever"]
+    print(
+        f"\n{rep['dataset']} ({rep['profile']}): retriever hit rate {ret['hit_rate']:.4f}, "
+        f"{ret['n_test_examples']} test examples; pipeline {res['seconds']} s"
+    )
+    print(table_markdown(rep))
+    print(f"\nreport: {res['run_dir']}/report.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,206 @@
+"""Load test (a benchmark, not a test): concurrent HTTP clients against the re-ranking server, per decoder.
+
+    python -m serving.loadtest --model_uri runs/<id>/model --decoders ar diffusion --concurrency 1 2 4 8 \
+        --requests 200 --out benchmarks/serving
+starts the predictor on 127.0.0.1 (or use --url for a running server / the transformer), sends v1 requests
+built from real examples (--examples parquet: user_id, history, candidates) or from the model's item catalogue,
+and writes <out>.json / <out>.md: rows of decoder, tau, concurrency, p50_ms, p95_ms, p99_ms, rps, errors,
+plus the command, machine and git sha.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from serving.serve_local import wait_ready
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for an empty list."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
+    return s[k]
+
+
+def load_instances(
+    examples: str | None, model_dir: str | None, n: int, n_candidates: int, seed: int
+) -> list[dict]:
+    rng = random.Random(seed)
+    if examples:
+        import pandas as pd
+
+        df = pd.read_parquet(examples, columns=["user_id", "history", "candidates"]).head(n)
+        return [
+            {"user_id": str(r.user_id), "history": list(r.history), "candidates": list(r.candidates)}
+            for r in df.itertuples()
+        ]
+    items = [ln.strip() for ln in (Path(model_dir) / "items.txt").read_text().splitlines() if ln.strip()]
+    return [
+        {"user_id": f"u{k}", "history": rng.sample(items, 5), "candidates": rng.sample(items, n_candidates)}
+        for k in range(n)
+    ]
+
+
+async def run_level(
+    url: str, model: str, instances: list[dict], decoder: str, tau: float, concurrency: int, n_requests: int
+) -> dict[str, Any]:
+    lat: list[float] = []
+    errors = 0
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for k in range(n_requests):
+        queue.put_nowait(k)
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal errors
+        while True:
+            try:
+                k = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            inst = {**instances[k % len(instances)], "decoder": decoder, "tau": tau}
+            t0 = time.perf_counter()
+            try:
+                r = await http.post(f"{url}/v1/models/{model}:predict", json={"instances": [inst]})
+                ok = r.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                lat.append((time.perf_counter() - t0) * 1000)
+            else:
+                errors += 1
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return {
+        "decoder": decoder,
+        "tau": tau if decoder == "diffusion" else None,
+        "concurrency": concurrency,
+        "n": n_requests,
+        "p50_ms": round(percentile(lat, 50), 2),
+        "p95_ms": round(percentile(lat, 95), 2),
+        "p99_ms": round(percentile(lat, 99), 2),
+        "rps": round(len(lat) / wall, 2),
+        "errors": errors,
+    }
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "# Serving load test",
+        "",
+        f"`{report['command']}`  ",
+        f"machine: {report['machine']}; git {report['git_sha']}",
+        "",
+        "| decoder | tau | concurrency | p50 ms | p95 ms | p99 ms | req/s | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['decoder']} | {r['tau']} | {r['concurrency']} | {r['p50_ms']} | {r['p95_ms']} | "
+            f"{r['p99_ms']} | {r['rps']} | {r['errors']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="a running server; default: start the predictor for --model_uri")
+    ap.add_argument("--model_uri")
+    ap.add_argument("--model_name", default="reranker")
+    ap.add_argument("--examples", help="examples parquet to draw requests from")
+    ap.add_argument("--decoders", nargs="+", default=["ar", "diffusion"])
+    ap.add_argument("--tau", type=float, default=0.9)
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8])
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--n_candidates", type=int, default=10)
+    ap.add_argument("--max_batch", type=int, default=16)
+    ap.add_argument("--max_wait_ms", type=float, default=2.0)
+    ap.add_argument("--out", default="benchmarks/serving")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    proc = None
+    url = a.url
+    if url is None:
+        if not a.model_uri:
+            sys.exit("give --url or --model_uri")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "serving.serve_local",
+                "--role",
+                "predictor",
+                "--model_uri",
+                a.model_uri,
+                "--model_name",
+                a.model_name,
+                "--port",
+                str(port),
+                "--max_batch",
+                str(a.max_batch),
+                "--max_wait_ms",
+                str(a.max_wait_ms),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(f"{url}/v1/models/{a.model_name}", timeout_s=300, proc=proc)
+        instances = load_instances(a.examples, a.model_uri, a.requests, a.n_candidates, a.seed)
+        rows = []
+        for decoder in a.decoders:
+            asyncio.run(run_level(url, a.model_name, instances, decoder, a.tau, 1, 3))  # warm-up
+            for c in a.concurrency:
+                row = asyncio.run(run_level(url, a.model_name, instances, decoder, a.tau, c, a.requests))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=15)
+    report = {
+        "command": "python -m serving.loadtest " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpu, python {platform.python_version()}",
+        "git_sha": git_sha(),
+        "rows": rows,
+    }
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(to_markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

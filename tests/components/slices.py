@@ -1,0 +1,29 @@
+"""Small real data slices shared by the components / feature_repo / pipelines tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gr2.data.dataset import data_root
+
+SLICE_DATASET = "ml-latest-small"
+SLICE_USERS = 40  # first 40 users by id: ~5k interactions, a few hundred retrieval-hit lists
+# Row-count bounds for a slice this small (the defaults are for whole datasets).
+SLICE_BOUNDS = {"min_examples": 10}
+
+
+def require_slice() -> Path:
+    path = data_root() / SLICE_DATASET
+    if not (path / "interactions.tsv").exists():
+        pytest.skip(f"{path} not available")
+    return path
+
+
+def ingest_slice(out: Path, history_len_profile: str = "quick") -> Path:
+    """Write the sources folder of the slice (steps.ingest: event times, user_history, item_features)."""
+    from components._lib import steps
+
+    steps.ingest(str(require_slice()), out, history_len_profile, "2026-01-01", SLICE_USERS)
+    return out

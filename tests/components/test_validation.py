@@ -1,0 +1,126 @@
+"""GX suites: the real slice passes; each corrupted input fails with a message naming its expectation."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from components._lib import sources, steps
+from components._lib.validation import Bounds, validate_tables
+from gr2.data.split import build_targets
+from tests.components.slices import SLICE_BOUNDS, ingest_slice
+
+N = 10
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    root = tmp_path_factory.mktemp("val")
+    src = ingest_slice(root / "sources")
+    ds = sources.read_dataset(src)
+    targets = build_targets(sources.read_dataset(src, event_ts=False), 20)
+    targets.to_parquet(root / "targets.parquet", index=False)
+    steps.candidates(src, root / "targets.parquet", root / "examples.parquet", "quick")
+    return ds, targets, sources.read_table(root / "examples.parquet")
+
+
+def _run(ds, table, n=N, interactions=None):
+    inter = ds.interactions if interactions is None else interactions
+    return validate_tables(inter, ds.items, table, n, Bounds(**SLICE_BOUNDS))
+
+
+def _failed(report) -> set[tuple[str, str]]:
+    return {(f["expectation"], str(f["column"])) for s in report.suites for f in s.failures}
+
+
+def _copy(ex: pd.DataFrame) -> pd.DataFrame:
+    out = ex.copy()
+    for col in ("history", "candidates", "retriever_scores"):
+        out[col] = [list(v) for v in out[col]]
+    return out
+
+
+def test_clean_slice_passes(tables):
+    ds, targets, ex = tables
+    assert _run(ds, targets, None).passed
+    rep = _run(ds, ex)
+    assert rep.passed, rep.message
+    assert [s.suite for s in rep.suites] == ["interactions", "items", "examples"]
+    assert len(ex) >= SLICE_BOUNDS["min_examples"] and set(ex["split"]) == {"train", "val", "test"}
+
+
+def test_duplicate_candidates_rejected(tables):
+    ds, _, ex = tables
+    bad = _copy(ex)
+    bad.at[3, "candidates"][1] = bad.at[3, "candidates"][0] if bad.at[3, "label"] != 1 else bad.at[3, "candidates"][2]
+    rep = _run(ds, bad)
+    assert not rep.passed
+    assert _failed(rep) == {("expect_column_values_to_be_between", "n_distinct_candidates")}
+    assert f"exactly {N} distinct candidates" in rep.message and "1 of" in rep.message
+
+
+def test_label_not_among_candidates_rejected(tables):
+    ds, _, ex = tables
+    bad = _copy(ex)
+    bad.at[0, "label"] = (bad.at[0, "label"] + 1) % N
+    rep = _run(ds, bad)
+    assert _failed(rep) == {("expect_column_values_to_be_null", "label_not_target")}
+    assert "label among the candidates" in rep.message and bad.at[0, "example_id"] in rep.message
+
+
+def test_unknown_item_id_rejected(tables):
+    ds, _, ex = tables
+    bad = _copy(ex)
+    bad.at[5, "candidates"][N - 1] = "no-such-item"
+    rep = _run(ds, bad)
+    assert _failed(rep) == {("expect_column_values_to_be_null", "unknown_item_id")}
+    assert "every id in the catalog" in rep.message and "no-such-item" in rep.message
+
+
+def test_unknown_item_in_interactions_rejected(tables):
+    ds, _, ex = tables
+    inter = ds.interactions.copy()
+    inter.loc[7, "item_id"] = "ghost"
+    rep = _run(ds, ex, interactions=inter)
+    assert ("expect_column_values_to_be_null", "unknown_item_id") in _failed(rep)
+    assert "[interactions]" in rep.message and "ghost" in rep.message
+
+
+def test_history_not_before_target_rejected(tables):
+    ds, _, ex = tables
+    bad = _copy(ex)
+    bad.at[2, "history"] = bad.at[2, "history"][1:] + [bad.at[2, "target"]]  # the target leaks into history
+    rep = _run(ds, bad)
+    assert _failed(rep) == {("expect_column_values_to_be_null", "history_not_before_target")}
+    assert "history strictly before the target" in rep.message
+
+
+def test_test_target_in_training_rejected(tables):
+    ds, _, ex = tables
+    bad = _copy(ex)
+    i = bad.index[bad["split"] == "test"][0]
+    bad.at[i, "split"] = "train"
+    rep = _run(ds, bad)
+    assert ("expect_column_values_to_be_null", "eval_target_in_train") in _failed(rep)
+    assert "no test (or validation) target in training" in rep.message
+    assert f"{bad.at[i, 'example_id']}: train example at position" in rep.message
+
+
+def test_too_few_rows_rejected(tables):
+    ds, _, ex = tables
+    rep = _run(ds, ex.head(5))
+    assert _failed(rep) == {("expect_table_row_count_to_be_between", "table")}
+    assert "row count within bounds" in rep.message and "observed 5" in rep.message
+
+
+def test_report_artifacts(tables, tmp_path):
+    ds, _, ex = tables
+    bad = _copy(ex)
+    bad.at[0, "label"] = (bad.at[0, "label"] + 1) % N
+    rep = _run(ds, bad)
+    rep.write(tmp_path / "v.json", tmp_path / "v.md")
+    import json
+
+    d = json.loads((tmp_path / "v.json").read_text())
+    assert d["passed"] is False and d["suites"][-1]["failures"][0]["column"] == "label_not_target"
+    assert "# Data validation: FAILED" in (tmp_path / "v.md").read_text()

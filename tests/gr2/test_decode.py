@@ -1,0 +1,184 @@
+"""Decoders: KV cache == no cache, block_size 1 diffusion == AR, the commit rule, exact nfe, trajectories."""
+
+import functools
+
+import pytest
+import torch
+
+import gr2.decode as dec
+from gr2.config import TrainConfig
+from gr2.decode import ar_generate, diffusion_generate, select_commits
+from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
+from gr2.model import convert_to_diffusion
+from gr2.train import BucketedBatches, train
+from tests.gr2.test_train import EOS, MASK, PAD, toy_items, toy_model
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A briefly trained AR model (SFT) and its CFT'd block-diffusion conversion: confident enough that
+    several tokens clear tau in one round, and eos is produced."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = TrainConfig(
+        lr=1e-2, batch_size=16, max_steps=120, epochs=0, warmup=5, checkpoint_every=0, log_every=0
+    )
+    items = toy_items(512, 10)
+    ar = toy_model()
+    train(
+        ar,
+        BucketedBatches(items, 16, functools.partial(collate, pad_id=PAD)),
+        ar_batch_loss,
+        cfg,
+        tmp_path_factory.mktemp("sft"),
+    )
+    diff = convert_to_diffusion(ar, BS, MASK)
+    cft = BucketedBatches(items, 16, functools.partial(collate, pad_id=PAD, block_size=BS, resp_pad_id=EOS))
+    train(
+        diff,
+        cft,
+        lambda m, b, g: masked_diffusion_loss(m, b, BS, MASK, g),
+        cfg,
+        tmp_path_factory.mktemp("cft"),
+    )
+    yield ar, diff
+    torch.set_num_threads(n)
+
+
+def prompts(n: int = 6, seed: int = 99) -> list[list[int]]:
+    return [p for p, _, _ in toy_items(n, seed)]
+
+
+def count_forwards(model):
+    calls = []
+    handle = model.register_forward_hook(lambda *a: calls.append(1))
+    return calls, handle
+
+
+def test_ar_kv_cache_equals_no_cache(models):
+    ar, _ = models
+    a, n1 = ar_generate(ar, prompts(), 16, EOS)
+    b, n2 = ar_generate(ar, prompts(), 16, EOS, use_cache=False)
+    assert torch.equal(a, b) and n1 == n2
+    assert (a == EOS).any()  # the trained model stops: the eos path is exercised
+    for row in a.tolist():  # everything after the first eos is eos
+        if EOS in row:
+            assert all(t == EOS for t in row[row.index(EOS) :])
+
+
+def test_ar_learned_the_toy_task(models):
+    ar, _ = models
+    items = toy_items(16, 7)
+    out, _ = ar_generate(ar, [p for p, _, _ in items], 14, EOS)
+    hits = sum(a == b for i, (_, r, _) in enumerate(items) for a, b in zip(out[i].tolist(), r, strict=False))
+    total = sum(len(r) for _, r, _ in items)
+    assert hits / total > 0.2, (
+        hits / total
+    )  # 120 steps of a 36k-parameter model: weak (0.29), yet far above 1/19
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.5])
+def test_block_size_one_diffusion_is_ar(models, tau):
+    ar, _ = models
+    a, n_ar = ar_generate(ar, prompts(), 16, EOS)
+    d, n_d, traj = diffusion_generate(ar, prompts(), 16, 1, tau, MASK, EOS)
+    assert torch.equal(a, d)
+    assert n_ar == n_d  # the finished block's store pass is folded into the next block's step
+
+
+@pytest.mark.parametrize("bs", [3, 4])
+@pytest.mark.parametrize("tau", [1.0, 0.5, 0.3, 0.0])
+def test_diffusion_cache_equals_no_cache(models, bs, tau):
+    _, diff = models
+    L = 15  # not a multiple of the block size: the last block is cut short
+    a, n1, t1 = diffusion_generate(diff, prompts(), L, bs, tau, MASK, EOS)
+    b, n2, t2 = diffusion_generate(diff, prompts(), L, bs, tau, MASK, EOS, use_cache=False)
+    assert torch.equal(a, b) and torch.equal(t1, t2)
+    assert n1 <= n2 + 1  # cache: skips canvas-independent rounds, adds only the prefill
+
+
+def test_nfe_counts_every_forward(models):
+    _, diff = models
+    for bs, tau in [(4, 1.0), (4, 0.7), (3, 0.3), (1, 0.9)]:
+        calls, h = count_forwards(diff)
+        _, nfe, _ = diffusion_generate(diff, prompts(), 15, bs, tau, MASK, EOS)
+        h.remove()
+        assert nfe == len(calls), (bs, tau)
+    calls, h = count_forwards(diff)
+    _, nfe = ar_generate(diff, prompts(), 15, EOS)
+    h.remove()
+    assert nfe == len(calls)
+
+
+def test_nfe_one_round_per_block(models):
+    """tau = 0 commits a whole block per round: prefill + one forward per block (no separate store passes)."""
+    _, diff = models
+    for L, bs in [(16, 4), (15, 4), (9, 3)]:
+        _, nfe, traj = diffusion_generate(diff, prompts(), L, bs, 0.0, MASK, eos_id=None)
+        assert nfe == 1 + -(-L // bs)
+        assert torch.equal(traj, (torch.arange(L) // bs).expand_as(traj))
+
+
+def test_select_commits_rule():
+    probs = torch.tensor(
+        [
+            [[0.95, 0.05], [0.6, 0.4], [0.99, 0.01], [0.7, 0.3]],
+            [[0.5, 0.5], [0.8, 0.2], [0.6, 0.4], [0.1, 0.9]],
+        ]
+    )
+    masked = torch.tensor([[True, True, False, True], [True, True, True, False]])
+    commit, pred = select_commits(probs.log(), masked, tau=0.9)
+    assert commit.tolist() == [
+        [True, False, False, False],
+        [False, True, False, False],
+    ]  # row 1: forced argmax
+    assert pred[1, 3] == 1
+    commit, _ = select_commits(probs.log(), torch.zeros_like(masked), tau=0.0)
+    assert not commit.any()
+
+
+def test_tau_one_commits_only_forced_or_certain(models, monkeypatch):
+    """Spy on every commit decision of a real decode: below-tau commits happen once per row per round."""
+    _, diff = models
+    seen = []
+
+    def spy(logits, masked, tau):
+        commit, pred = select_commits(logits, masked, tau)
+        seen.append((logits.float().softmax(-1).max(-1).values, commit, tau))
+        return commit, pred
+
+    monkeypatch.setattr(dec, "select_commits", spy)
+    for tau in (1.0, 0.8):
+        seen.clear()
+        diffusion_generate(diff, prompts(), 15, BS, tau, MASK, EOS)
+        assert seen
+        for conf, commit, t in seen:
+            below = commit & (conf < t)
+            assert (below.sum(-1) <= 1).all()
+            assert (commit.sum(-1) <= (commit & (conf >= t)).sum(-1) + 1).all()
+
+
+def test_lower_tau_fewer_forwards(models):
+    _, diff = models
+    nfes = [diffusion_generate(diff, prompts(8), 16, BS, tau, MASK, EOS)[1] for tau in (1.0, 0.6, 0.0)]
+    assert nfes[0] >= nfes[1] >= nfes[2]
+    assert nfes[0] > nfes[2]
+
+
+def test_trajectory_and_batch_independence(models):
+    _, diff = models
+    ps = prompts(5, seed=3)
+    toks, _, traj = diffusion_generate(diff, ps, 15, BS, 0.7, MASK, EOS)
+    for b in range(len(ps)):
+        row = traj[b].tolist()
+        blocks = [[r for r in row[s : s + BS] if r >= 0] for s in range(0, 15, BS)]
+        blocks = [x for x in blocks if x]
+        for prev, nxt in zip(blocks, blocks[1:], strict=False):
+            assert max(prev) < min(nxt)  # a block is finished before the next starts
+        alone, _, _ = diffusion_generate(diff, [ps[b]], 15, BS, 0.7, MASK, EOS)
+        assert torch.equal(alone[0], toks[b])  # left padding and batch mates do not change a row
+        if EOS in toks[b].tolist():
+            e = toks[b].tolist().index(EOS)
+            assert (traj[b, : e + 1] >= 0).all()  # everything up to the eos was decoded

@@ -1,0 +1,127 @@
+"""Evidence features from per-item tables: hand-computed values, own-target subtraction, round trip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from gr2.candidates import attach_candidates
+from gr2.config import EvidenceConfig
+from gr2.data import build_targets, data_root, load_dataset, train_sequences
+from gr2.evidence import FEATURE_NAMES, Evidence, title_tokens
+from gr2.retriever import CoocRetriever
+
+CFG = EvidenceConfig(top_k=10, window=2, recent=2, decay=0.5)
+TRAIN = {"u1": ["a", "b", "c", "d"], "u2": ["b", "c", "e"], "u3": ["c", "e"], "u4": ["b", "d"]}
+ITEMS = pd.DataFrame(
+    {
+        "item_id": ["a", "b", "c", "d", "e", "f"],
+        "title": ["Red Lipstick", "Blue Nail Polish", "Red Nail Polish", "Shampoo", "", "Lipstick Case"],
+        "categories": [["lips"], ["nails"], ["nails", "red"], ["hair"], [], ["lips"]],
+    }
+)
+F = {name: i for i, name in enumerate(FEATURE_NAMES)}
+
+
+@pytest.fixture
+def ev() -> Evidence:
+    return Evidence.fit(TRAIN, ITEMS, CFG)
+
+
+def test_item_tables(ev):
+    t = ev.item_tables().set_index("item_id")
+    assert t.loc["b", "trans_ids"] == ["c", "d"] and t.loc["b", "trans_counts"] == [2, 1]  # ties: id order
+    assert t.loc["c", "cooc_ids"] == ["b", "e", "a", "d"] and t.loc["c", "cooc_counts"] == [2, 2, 1, 1]
+    assert t["popularity"].to_dict() == {"a": 1, "b": 3, "c": 3, "d": 2, "e": 2, "f": 0}
+    assert t.loc["c", "categories"] == ["nails", "red"]
+    assert t.loc["b", "title_tokens"] == ["blue", "nail", "polish"]
+    assert t.attrs["evidence"]["config"]["top_k"] == 10
+    small = Evidence.fit(TRAIN, ITEMS, EvidenceConfig(top_k=1, window=2)).item_tables().set_index("item_id")
+    assert small.loc["c", "cooc_ids"] == ["b"] and small.loc["c", "cooc_counts"] == [2]
+
+
+def test_title_tokens():
+    assert title_tokens("The Red-Lipstick 2.5 oz, for Lips!", 2) == ["red", "lipstick"]
+    assert title_tokens("a b c", 5) == []
+
+
+def test_features_by_hand(ev):
+    X = ev.features(["a", "b"], ["c", "d", "e", "f"])
+    assert X.shape == (4, len(FEATURE_NAMES))
+    # transitions from the last item b: b->c 2, b->d 1
+    np.testing.assert_allclose(X[:, F["trans_last"]], np.log1p([2, 1, 0, 0]))
+    # recent (b weight 1, a weight 0.5): a->b only, so same as last
+    np.testing.assert_allclose(X[:, F["trans_recent"]], np.log1p([2, 1, 0, 0]))
+    # co-occurrence (window 2): c: b 2 + 0.5 * a 1; d: b 2 (u1 distance 2, u4) + a 0; e: b 1
+    np.testing.assert_allclose(X[:, F["cooc_hist"]], np.log1p([2.5, 2, 1, 0]))
+    np.testing.assert_allclose(X[:, F["popularity"]], np.log1p([3, 2, 2, 0]))
+    # categories: history weights b 1 (nails), a 0.5 (lips); c has nails, red -> (1 + 0) / 2 / 1.5
+    np.testing.assert_allclose(X[:, F["category_overlap"]], [0.5 / 1.5, 0, 0, 0.5 / 1.5])
+    assert X[0, F["title_sim"]] > X[3, F["title_sim"]] > 0 and X[1, F["title_sim"]] == 0
+    assert X[:, F["retriever_rank"]].tolist() == [0, 1, 2, 3]
+
+
+def test_own_target_subtraction(ev):
+    # u1's training target c at position 2 after a, b: its own pairs b->c (transition), (b,c), (a,c)
+    own = ev.features(["a", "b"], ["c", "e"], own_target="c")
+    plain = ev.features(["a", "b"], ["c", "e"])
+    np.testing.assert_allclose(own[0, F["trans_last"]], np.log1p(1))
+    np.testing.assert_allclose(own[0, F["cooc_hist"]], np.log1p(1 + 0.5 * 0))
+    np.testing.assert_allclose(own[0, F["popularity"]], np.log1p(2))
+    np.testing.assert_allclose(own[1], plain[1])  # other candidates untouched
+    np.testing.assert_allclose(own[0, F["title_sim"]], plain[0, F["title_sim"]])
+    # same as refitting without that interaction's pairs: u1 becomes a, b | d (no pairs through c)
+    refit = Evidence.fit({**TRAIN, "u1": ["a", "b"], "u1b": ["d"]}, ITEMS, CFG)
+    ref = refit.features(["a", "b"], ["c"])
+    np.testing.assert_allclose(own[0, :4], ref[0, :4])
+
+
+def test_round_trip_through_tables_and_parquet(ev, tmp_path):
+    X = ev.features_batch([["a", "b"], ["c"], []], [["c", "d"], ["e", "f"], ["a", "b"]], ["c", None, None])
+    ev.fit_buckets(X)
+    ev2 = Evidence.from_item_tables(ev.item_tables())
+    np.testing.assert_array_equal(
+        ev2.features_batch([["a", "b"], ["c"], []], [["c", "d"], ["e", "f"], ["a", "b"]], ["c", None, None]),
+        X,
+    )
+    ev.save(tmp_path / "ev")
+    ev3 = Evidence.load(tmp_path / "ev")
+    np.testing.assert_array_equal(
+        ev3.features_batch([["a", "b"], ["c"], []], [["c", "d"], ["e", "f"], ["a", "b"]], ["c", None, None]),
+        X,
+    )
+    np.testing.assert_array_equal(ev3.buckets(X), ev.buckets(X))
+
+
+def test_buckets():
+    ev = Evidence(CFG)
+    with pytest.raises(RuntimeError, match="fit_buckets"):
+        ev.buckets(np.zeros((1, 2, len(FEATURE_NAMES))))
+    x = np.zeros((10, 1, len(FEATURE_NAMES)))
+    x[:, 0, 0] = [0, 0, 0, 0, 1, 2, 3, 4, 5, 6]
+    ev.fit_buckets(x)
+    b = ev.buckets(x)
+    assert b[:, 0, 0].tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 3, 3]
+    assert b.min() >= 0 and b.max() <= 3 and b.dtype == np.int64
+
+
+def test_features_on_real_slice_train_matches_test_distribution():
+    ds = load_dataset(data_root() / "ml-latest-small")
+    users = sorted(ds.interactions["user_id"].unique())[:80]
+    ds.interactions = ds.interactions[ds.interactions["user_id"].isin(users)].reset_index(drop=True)
+    tr = train_sequences(ds)
+    ex, _ = attach_candidates(build_targets(ds, 20), CoocRetriever().fit(tr, ds.items["item_id"]), 10)
+    ev = Evidence.fit(tr, ds.items)
+    own = [t if s == "train" else None for t, s in zip(ex.target, ex.split, strict=True)]
+    X = ev.features_batch(list(ex.history), list(ex.candidates), own)
+    assert X.shape == (len(ex), 10, len(FEATURE_NAMES)) and np.isfinite(X).all() and (X >= 0).all()
+    # one example computed alone equals its batch row
+    i = int(np.flatnonzero(ex.split == "train")[3])
+    np.testing.assert_allclose(ev.features(ex.history.iat[i], ex.candidates.iat[i], own[i]), X[i])
+    # subtraction matters: without it the train target's transition evidence is inflated
+    Xn = ev.features_batch(list(ex.history), list(ex.candidates))
+    tr_m = (ex.split == "train").to_numpy()
+    lab = ex.label.to_numpy()
+    assert (Xn[tr_m, lab[tr_m], 0] >= X[tr_m, lab[tr_m], 0]).all()
+    assert (Xn[tr_m, lab[tr_m], 0] > X[tr_m, lab[tr_m], 0]).mean() > 0.5

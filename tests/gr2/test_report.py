@@ -1,0 +1,54 @@
+"""Report writing: json + markdown, latest symlink, machine info."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from gr2.report import floor_row, git_sha, machine_info, render_markdown, write_report
+
+
+def _examples():
+    return pd.DataFrame(
+        {"user_id": ["a", "b", "c", "d"], "candidates": [["x", "y", "z"]] * 4, "label": [0, 1, 0, 2]}
+    )
+
+
+def test_write_report_and_latest(tmp_path):
+    ex = _examples()
+    floor = floor_row(ex, n_boot=50)
+    assert floor["model"] == "floor" and floor["recall@1"] == 0.5
+    report = {
+        "dataset": "toy",
+        "profile": "quick",
+        "git_sha": git_sha(),
+        "machine": machine_info(),
+        "rows": [floor, {**floor, "model": "ltr", "recall@1": 0.75}],
+        "gate": {"passed": False, "reasons": ["speedup 1.2 < 2.4"]},
+        "retriever": {"name": "cooc", "hit_rate": 0.07, "n_test_examples": 4},
+    }
+    runs = tmp_path / "runs"
+    write_report(runs / "r1", report)
+    (runs / "r2").mkdir(parents=True)
+    (runs / "r2" / "pr.png").write_bytes(b"png")
+    write_report(runs / "r2", report)
+    back = json.loads((runs / "r2" / "report.json").read_text())
+    assert back["rows"][1]["recall@1"] == 0.75 and back["retriever"]["hit_rate"] == 0.07
+    md = (runs / "r2" / "report.md").read_text()
+    assert "| floor |" in md and "| ltr |" in md and "0.750" in md
+    assert "Gate: FAILED" in md and "speedup 1.2 < 2.4" in md and "hit rate 0.0700" in md
+    assert "![pr](pr.png)" in md
+    assert (runs / "latest").is_symlink() and (runs / "latest").resolve() == (runs / "r2").resolve()
+
+
+def test_machine_info_and_sha():
+    info = machine_info()
+    assert info["cores"] >= 1 and info["cpu"] and "torch" in info and "gpu" in info
+    sha = git_sha()
+    assert sha == "unknown" or len(sha.split("-")[0]) == 40
+
+
+def test_markdown_without_optional_parts():
+    md = render_markdown({"dataset": "d", "rows": []})
+    assert md.startswith("# Report: d") and "Gate" not in md

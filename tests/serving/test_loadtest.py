@@ -1,0 +1,53 @@
+"""The load-test harness (the benchmark itself is `make loadtest`): percentiles, and a tiny run against the
+real predictor that writes the report schema issue 7 asks for."""
+
+import json
+import math
+
+from serving.loadtest import main, percentile
+
+
+def test_percentile_nearest_rank():
+    xs = [float(x) for x in range(1, 101)]
+    assert (percentile(xs, 50), percentile(xs, 95), percentile(xs, 99), percentile(xs, 100)) == (
+        50,
+        95,
+        99,
+        100,
+    )
+    assert percentile([7.0], 99) == 7.0 and math.isnan(percentile([], 50))
+
+
+def test_tiny_run_writes_report(predictor, model_dir, tmp_path):
+    out = tmp_path / "serving"
+    report = main(
+        [
+            "--url",
+            predictor["url"],
+            "--model_uri",
+            str(model_dir),
+            "--decoders",
+            "ar",
+            "diffusion",
+            "--concurrency",
+            "1",
+            "4",
+            "--requests",
+            "12",
+            "--out",
+            str(out),
+        ]
+    )
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert rows == report["rows"] and len(rows) == 4
+    assert [(r["decoder"], r["concurrency"]) for r in rows] == [
+        ("ar", 1),
+        ("ar", 4),
+        ("diffusion", 1),
+        ("diffusion", 4),
+    ]
+    for r in rows:
+        assert set(r) == {"decoder", "tau", "concurrency", "n", "p50_ms", "p95_ms", "p99_ms", "rps", "errors"}
+        assert r["errors"] == 0 and r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"] and r["rps"] > 0
+    assert rows[0]["tau"] is None and rows[2]["tau"] == 0.9
+    assert "| diffusion | 0.9 | 4 |" in out.with_suffix(".md").read_text()

@@ -132,6 +132,15 @@ class TeacherConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    batch_size: int = 64  # decoding batch for the accuracy rows (whole test split)
+    speed_examples: int = 32  # test lists decoded one at a time (batch 1) for the speed rows
+    speed_batch: int = 32  # the serving batch measured beside batch 1
+    speed_batch_examples: int = 128  # lists decoded at speed_batch
+    threads: int = 2  # torch threads while timing (the same for every decoder)
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str = "quick"
     seed: int = 0
@@ -147,6 +156,7 @@ class Profile:
     sid: SIDConfig = field(default_factory=SIDConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     bootstrap_samples: int = 1000
 
     def to_dict(self) -> dict[str, Any]:

@@ -183,15 +183,24 @@ class Evidence:
         histories: Sequence[Sequence[str]],
         candidates: Sequence[Sequence[str]],
         own_targets: Sequence[str | None] | None = None,
+        chunk: int = 5000,
     ) -> np.ndarray:
-        """[B, N, F] features; all lists have the same length N."""
+        """[B, N, F] features; all lists have the same length N. Chunked to bound memory."""
+        histories, candidates = list(histories), list(candidates)
+        own = list(own_targets) if own_targets is not None else [None] * len(histories)
+        parts = [
+            self._features(histories[lo : lo + chunk], candidates[lo : lo + chunk], own[lo : lo + chunk])
+            for lo in range(0, len(histories), chunk)
+        ]
+        return np.concatenate(parts) if parts else np.zeros((0, 0, len(FEATURE_NAMES)))
+
+    def _features(self, histories, candidates, own) -> np.ndarray:
         cfg = self.config
         B = len(histories)
         N = len(candidates[0]) if B else 0
         cand = np.array([[self.index.get(c, -1) for c in cs] for cs in candidates], dtype=np.int64).reshape(
             B, N
         )
-        own = list(own_targets) if own_targets is not None else [None] * B
         tgt = np.array([self.index.get(t, -1) if t is not None else -1 for t in own], dtype=np.int64)
         rows, flat = _index_sequences(histories, self.index)
         back = steps_back(rows, B)

@@ -203,14 +203,11 @@ class SFTRecord(NamedTuple):
     response_weights: list[float]
 
 
-def evidence_arrays(examples: pd.DataFrame, evidence: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(features [L, N, F], buckets [L, N, F]) from a fitted gr2.evidence.Evidence (fit_buckets done).
-
-    Training examples subtract their own target interaction (own_target), as the retriever does.
-    """
+def evidence_features(examples: pd.DataFrame, evidence: Any) -> np.ndarray:
+    """Features [L, N, F] from a fitted gr2.evidence.Evidence. Training examples subtract their own target
+    interaction (own_target), as the retriever does, so training and test features match in distribution."""
     own = [t if s == "train" else None for t, s in zip(examples["target"], examples["split"], strict=True)]
-    x = evidence.features_batch(examples["history"].tolist(), examples["candidates"].tolist(), own)
-    return x, evidence.buckets(x)
+    return evidence.features_batch(examples["history"].tolist(), examples["candidates"].tolist(), own)
 
 
 def fit_teacher(
@@ -245,7 +242,7 @@ def build_sft_records_from_arrays(
     scores = teacher.scores(features)
     contrib = teacher.contributions(features)
     records: list[SFTRecord] = []
-    tries, trace_len, answer_len, prompt_len = [], [], [], []
+    tries, trace_len, answer_len, prompt_len, kept_rows = [], [], [], [], []
     labels = examples["label"].to_numpy()
     for r, (hist, cands) in enumerate(
         tqdm(
@@ -276,6 +273,7 @@ def build_sft_records_from_arrays(
             cfg.sft.trace_weight,
         )
         records.append(SFTRecord(p, resp, w))
+        kept_rows.append(r)
         n_trace = len(trace.split()) if trace else 0  # whitespace word-level: one token per word
         trace_len.append(n_trace)
         answer_len.append(len(resp) - n_trace)
@@ -293,6 +291,7 @@ def build_sft_records_from_arrays(
             max_prompt_tokens=int(max(prompt_len)) if prompt_len else 0,
             mean_trace_tokens=float(np.mean(trace_len)) if trace_len else 0.0,
             mean_answer_tokens=float(np.mean(answer_len)) if answer_len else 0.0,
+            kept_rows=kept_rows,  # row of `examples` behind each record
         )
     return records
 
@@ -309,9 +308,14 @@ def build_sft_records(
     stats: dict | None = None,
 ) -> list[SFTRecord]:
     """SFT records (prompt_ids, response_ids, response_weights) for the training examples of `examples`,
-    with evidence computed by a fitted gr2.evidence.Evidence (features_batch + buckets)."""
+    with evidence computed by a fitted gr2.evidence.Evidence (features_batch + buckets; bucket edges are fitted
+    on these training lists when the Evidence has none yet)."""
     train = examples[examples["split"] == "train"].reset_index(drop=True)
-    x, b = evidence_arrays(train, evidence)
+    x = evidence_features(train, evidence)
+    if getattr(evidence, "bucket_edges", None) is None:  # bucket edges come from training features only
+        log.info("evidence buckets not fitted yet: fitting them on the %d training lists", len(train))
+        evidence.fit_buckets(x)
+    b = evidence.buckets(x)
     return build_sft_records_from_arrays(
         train, x, b, teacher.feature_names, sids, teacher, tokenizer, cfg, seed, variant, stats
     )

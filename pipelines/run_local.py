@@ -42,6 +42,7 @@ def run_local(
     max_users: int = 0,
     bounds_json: str = "{}",
     benchmark_dir: str | None = None,
+    command: str = "",
 ) -> dict:
     """Execute the pipeline locally; returns {"run_dir", "report" (or None), "validation", "seconds"}."""
     from kfp import local
@@ -71,9 +72,7 @@ def run_local(
     report_json = _latest("**/report/report.json", root)
     if report_json is not None:
         report = json.loads(report_json.read_text())
-        report["command"] = " ".join(
-            shlex.quote(a) for a in [Path(sys.executable).name, "-m", "pipelines.run_local", *sys.argv[1:]]
-        )
+        report["command"] = command or " ".join(shlex.quote(a) for a in sys.argv)
         report["run_id"] = run_id
         report["pipeline_seconds"] = round(seconds, 1)
         (run_dir / "report.json").write_text(json.dumps(report, indent=2))

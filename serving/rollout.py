@@ -36,14 +36,15 @@ class Kube(Protocol):
 class KserveKube:
     """Apply/get InferenceServices (and core kinds) with the kubernetes client (in-cluster or kubeconfig)."""
 
-    def __init__(self) -> None:
+    def __init__(self, api_client: Any = None) -> None:
         from kubernetes import client, config, utils
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        self.api = client.ApiClient()
+        if api_client is None:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+        self.api = api_client or client.ApiClient()
         self.custom = client.CustomObjectsApi(self.api)
         self.utils = utils
         self.ApiException = client.exceptions.ApiException

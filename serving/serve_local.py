@@ -90,6 +90,7 @@ def serve_transformer(a: argparse.Namespace, cfg: ServeConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request is noise
     a = parse_args(argv)
     cfg = ServeConfig(max_batch=a.max_batch, max_wait_ms=a.max_wait_ms, max_body_bytes=a.max_body_bytes)
     if a.role == "predictor" or (a.role == "all" and not (a.feast_repo or a.feast_url)):

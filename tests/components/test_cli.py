@@ -21,7 +21,9 @@ def _slice(tmp_path, n_users=SLICE_USERS):
 
 
 def test_validate_good_dataset_exits_zero(tmp_path):
-    res = CliRunner().invoke(app, ["validate", "--dataset", str(_slice(tmp_path)), "--out", str(tmp_path / "v")])
+    res = CliRunner().invoke(
+        app, ["validate", "--dataset", str(_slice(tmp_path)), "--out", str(tmp_path / "v")]
+    )
     assert res.exit_code == 0, res.output
     assert "PASSED" in res.output and (tmp_path / "v" / "validation.json").exists()
 
@@ -34,8 +36,9 @@ def test_validate_too_small_dataset_exits_nonzero(tmp_path):
 
 def test_validate_malformed_dataset_exits_nonzero(tmp_path):
     d = _slice(tmp_path)
-    with open(d / "interactions.tsv", "a") as f:
-        f.write("1\tno-such-item\t964982703\t999\n")
+    inter = pd.read_csv(d / "interactions.tsv", sep="\t", dtype=str)
+    inter.loc[10, "item_id"] = "no-such-item"
+    inter.to_csv(d / "interactions.tsv", sep="\t", index=False)
     res = CliRunner().invoke(app, ["validate", "--dataset", str(d)])
     assert res.exit_code == 1
     assert "no-such-item" in res.output

@@ -9,7 +9,11 @@ from components._lib.sources import item_feature_rows, user_history_rows
 
 def test_user_history_rows_by_hand():
     inter = pd.DataFrame(
-        {"user_id": ["a", "a", "a", "b", "b"], "item_id": ["1", "2", "3", "9", "8"], "seq_idx": [0, 1, 2, 0, 1]}
+        {
+            "user_id": ["a", "a", "a", "b", "b"],
+            "item_id": ["1", "2", "3", "9", "8"],
+            "seq_idx": [0, 1, 2, 0, 1],
+        }
     )
     ts = pd.Series(pd.to_datetime([10, 12, 14, 10, 12], unit="s", utc=True))
     rows = user_history_rows(inter, ts, history_len=2)
@@ -20,7 +24,9 @@ def test_user_history_rows_by_hand():
 
 def test_item_feature_rows_join_evidence():
     items = pd.DataFrame({"item_id": ["1", "2"], "title": ["A", ""], "categories": [["x"], []]})
-    tables = pd.DataFrame({"item_id": ["2", "1"], "popularity": [5, 3], "categories": [["ignored"], ["ignored"]]})
+    tables = pd.DataFrame(
+        {"item_id": ["2", "1"], "popularity": [5, 3], "categories": [["ignored"], ["ignored"]]}
+    )
     snap = pd.Timestamp("2000-01-01", tz="UTC")
     out = item_feature_rows(items, tables, snap)
     assert out["popularity"].tolist() == [3, 5]

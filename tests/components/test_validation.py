@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 
@@ -14,8 +16,13 @@ N = 10
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    root = tmp_path_factory.mktemp("val")
+def slice_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("val")
+
+
+@pytest.fixture(scope="module")
+def tables(slice_root):
+    root = slice_root
     src = ingest_slice(root / "sources")
     ds = sources.read_dataset(src)
     targets = build_targets(sources.read_dataset(src, event_ts=False), 20)
@@ -52,7 +59,9 @@ def test_clean_slice_passes(tables):
 def test_duplicate_candidates_rejected(tables):
     ds, _, ex = tables
     bad = _copy(ex)
-    bad.at[3, "candidates"][1] = bad.at[3, "candidates"][0] if bad.at[3, "label"] != 1 else bad.at[3, "candidates"][2]
+    bad.at[3, "candidates"][1] = (
+        bad.at[3, "candidates"][0] if bad.at[3, "label"] != 1 else bad.at[3, "candidates"][2]
+    )
     rep = _run(ds, bad)
     assert not rep.passed
     assert _failed(rep) == {("expect_column_values_to_be_between", "n_distinct_candidates")}
@@ -124,3 +133,43 @@ def test_report_artifacts(tables, tmp_path):
     d = json.loads((tmp_path / "v.json").read_text())
     assert d["passed"] is False and d["suites"][-1]["failures"][0]["column"] == "label_not_target"
     assert "# Data validation: FAILED" in (tmp_path / "v.md").read_text()
+
+
+def test_validate_component_returns_passed_and_writes_artifacts(tables, slice_root, tmp_path):
+    """The KFP component body (python_func) with local artifacts: False on a corrupted examples table."""
+    from kfp import dsl
+
+    from components.validate import validate
+
+    ds, _, ex = tables
+    bad = _copy(ex)
+    bad.at[1, "label"] = (bad.at[1, "label"] + 1) % N
+    bad.to_parquet(tmp_path / "bad.parquet", index=False)
+
+    def art(cls, name):
+        return cls(name=name, uri=str(tmp_path / name))
+
+    kwargs = dict(
+        sources=dsl.Dataset(name="sources", uri=str(slice_root / "sources")),
+        profile="quick",
+        stage="examples",
+        bounds_json=json.dumps(SLICE_BOUNDS),
+    )
+    ok = validate.python_func(
+        table=dsl.Dataset(name="t", uri=str(slice_root / "examples.parquet")),
+        results=art(dsl.Artifact, "r1"),
+        summary=art(dsl.Markdown, "s1"),
+        metrics=art(dsl.Metrics, "m1"),
+        **kwargs,
+    )
+    assert ok is True
+    ok = validate.python_func(
+        table=dsl.Dataset(name="t", uri=str(tmp_path / "bad.parquet")),
+        results=art(dsl.Artifact, "r2"),
+        summary=art(dsl.Markdown, "s2"),
+        metrics=art(dsl.Metrics, "m2"),
+        **kwargs,
+    )
+    assert ok is False
+    assert "label_not_target" in (tmp_path / "s2").read_text()
+    assert json.loads((tmp_path / "r2" / "validation.json").read_text())["passed"] is False

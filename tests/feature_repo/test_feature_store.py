@@ -99,17 +99,30 @@ def test_feast_cli_apply_uses_repo_definitions(store_env, tmp_path):
     env = {**os.environ, "GR2_FEAST_DATA": str(src)}
     feast = Path(sys.executable).with_name("feast")
     out = subprocess.run(
-        [str(feast), "-c", str(FEATURE_REPO), "-f", str(yml), "apply"], env=env, capture_output=True, text=True
+        [str(feast), "-c", str(FEATURE_REPO), "-f", str(yml), "apply"],
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    for name in ("entity user", "entity item", "feature view user_history", "feature view item_features",
-                 "feature service reranker_v1"):
+    for name in (
+        "entity user",
+        "entity item",
+        "feature view user_history",
+        "feature view item_features",
+        "feature service reranker_v1",
+    ):
         assert f"Created {name}" in out.stdout
 
 
 def test_prod_yaml_shares_definitions(monkeypatch):
-    env = {"GR2_FEAST_BUCKET": "bkt", "REDIS_URL": "redis.svc:6379,ssl=true", "AWS_REGION": "eu-west-1",
-           "SPARK_MASTER": "k8s://https://kubernetes", "S3_ENDPOINT_URL": "https://s3.example"}
+    env = {
+        "GR2_FEAST_BUCKET": "bkt",
+        "REDIS_URL": "redis.svc:6379,ssl=true",
+        "AWS_REGION": "eu-west-1",
+        "SPARK_MASTER": "k8s://https://kubernetes",
+        "S3_ENDPOINT_URL": "https://s3.example",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     text = (FEATURE_REPO / "envs" / "prod.feature_store.yaml").read_text()

@@ -116,6 +116,7 @@ def test_features_on_real_slice_train_matches_test_distribution():
     own = [t if s == "train" else None for t, s in zip(ex.target, ex.split, strict=True)]
     X = ev.features_batch(list(ex.history), list(ex.candidates), own)
     assert X.shape == (len(ex), 10, len(FEATURE_NAMES)) and np.isfinite(X).all() and (X >= 0).all()
+    np.testing.assert_array_equal(ev.features_batch(list(ex.history), list(ex.candidates), own, chunk=7), X)
     # one example computed alone equals its batch row
     i = int(np.flatnonzero(ex.split == "train")[3])
     np.testing.assert_allclose(ev.features(ex.history.iat[i], ex.candidates.iat[i], own[i]), X[i])

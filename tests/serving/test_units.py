@@ -121,3 +121,46 @@ def test_transformer_policies(feast_repo, ml_slice):
     with pytest.raises(Exception) as e:
         asyncio.run(lenient.predict({"instances": [{"user_id": "3", "candidates": items[:2]}]}))
     assert not isinstance(e.value, InvalidInput)
+
+
+@pytest.mark.slow  # `feast serve` imports feast in a fresh process (~15 s on 2 busy cores)
+def test_transformer_via_feast_http_feature_server(feast_repo, ml_slice, tmp_path):
+    """The dev overlay's path: Feast's HTTP feature server (`feast serve`) instead of the SDK."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from serving.serve_local import wait_ready
+    from tests.serving.conftest import free_port
+
+    port = free_port()
+    feast_bin = Path(sys.executable).with_name("feast")
+    log = (tmp_path / "feast.log").open("w")
+    proc = subprocess.Popen(
+        [str(feast_bin), "serve", "-h", "127.0.0.1", "-p", str(port)],
+        cwd=feast_repo,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", timeout_s=120, proc=proc)
+        items = list(ml_slice["items"]["item_id"])
+        t = FeastTransformer(
+            "reranker", TransformerConfig("127.0.0.1:1", feast_url=f"http://127.0.0.1:{port}")
+        )
+        t.load()
+
+        async def go():
+            ok = await t.enrich(
+                [{"user_id": "3", "candidates": items[:3]}, {"user_id": "ghost", "candidates": items[3:5]}],
+                "instances",
+            )
+            with pytest.raises(ValueError, match=r"instances\[0\].candidates\[0\]: unknown item id 'zzz'"):
+                await t.enrich([{"user_id": "3", "candidates": ["zzz", items[0]]}], "instances")
+            return ok
+
+        out = asyncio.run(go())
+        assert out[0]["history"] == ml_slice["history"]["3"] and out[1]["history"] == []
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)

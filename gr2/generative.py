@@ -1,0 +1,219 @@
+"""The generative re-ranker as a servable model: a bundle directory and the `Reranker` that decodes with it.
+
+One code path turns (history, candidates) into a ranking for evaluation and for serving alike:
+
+    evidence features (served item tables) -> buckets -> prompt tokens -> AR or block-diffusion decoding
+    -> parse the JSON answer -> ranking, or the upstream order when the output is invalid (counted).
+
+Bundle layout (written by `save_bundle`, read by `load_reranker` through the "generative" kind):
+
+    reranker.json     kind, name, n_candidates, block_size (0 = AR), max_new_tokens, lineage
+    model/            save_pretrained (safetensors) + gr2_model.json
+    tokenizer/        the closed-vocabulary HF tokenizer
+    sids.json         semantic IDs (item -> 4 codes)
+    evidence/         per-item evidence tables + bucket edges (what the feature store serves)
+    items.txt         the catalogue `known_item` answers from
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gr2.decode import ar_generate, diffusion_generate
+from gr2.evidence import FEATURE_NAMES, Evidence
+from gr2.inference import CONFIG_FILE, ITEMS_FILE, RankRequest, RankResult, register_reranker
+from gr2.model import load_model, save_model
+from gr2.prompt import parse_response, render_prompt
+from gr2.sid import SemanticIds
+from gr2.tokenizer import load_tokenizer
+
+KIND = "generative"
+
+
+@dataclass
+class Decoded:
+    """Raw decoding output for a list of prompts (one entry per prompt)."""
+
+    responses: list[list[int]]  # generated ids up to and including the first eos
+    nfe: int  # forward passes summed over batches
+    seconds: float  # wall time of the decoding calls
+
+
+class GenerativeReranker:
+    """GR2 (block_size 0: AR) or Diffusion-GR2 (block_size > 0) loaded from a bundle."""
+
+    kind = KIND
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        sids: SemanticIds,
+        evidence: Evidence,
+        config: dict,
+    ):
+        self.model, self.tokenizer, self.sids, self.evidence = model, tokenizer, sids, evidence
+        self.config = config
+        self.name = str(config.get("name", KIND))
+        self.n_candidates = int(config.get("n_candidates", 10))
+        self.block_size = int(config.get("block_size", 0))
+        self.max_new_tokens = int(config["max_new_tokens"])
+        self.batch_size = int(config.get("batch_size", 32))
+
+    # ------------------------------------------------------------------ the Reranker protocol
+    def known_item(self, item_id: str) -> bool:
+        return item_id in self.sids.codes
+
+    def rank(
+        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float = 0.9
+    ) -> list[RankResult]:
+        prompts = self.encode_prompts([r.history for r in requests], [r.candidates for r in requests])
+        out = self.decode(prompts, decoder, tau)
+        per_nfe = out.nfe / max(len(requests), 1)  # nfe is shared by a batch; report the per-request share
+        results = []
+        for req, resp in zip(requests, out.responses, strict=True):
+            ranking, valid, reason, trace = self.read_answer(resp, len(req.candidates))
+            results.append(
+                RankResult(
+                    ranking=[req.candidates[i] for i in ranking],
+                    valid=valid,
+                    reason=reason,
+                    nfe=int(round(per_nfe)),
+                    n_tokens=len(resp),
+                    trace=trace,
+                )
+            )
+        return results
+
+    # ------------------------------------------------------------------ the pieces
+    def encode_prompts(
+        self, histories: Sequence[Sequence[str]], candidates: Sequence[Sequence[str]]
+    ) -> list[list[int]]:
+        """Prompt ids (<bos> + prompt) per list. History items without a semantic ID are skipped (an item the
+        model has never seen carries no signal); candidates must all be known (`known_item`)."""
+        hist = [[h for h in hs if h in self.sids.codes] for hs in histories]
+        for cs in candidates:
+            unknown = [c for c in cs if c not in self.sids.codes]
+            if unknown:
+                raise KeyError(f"unknown candidate item ids: {unknown[:5]}")
+        x = self.evidence.features_batch(hist, [list(c) for c in candidates])
+        buckets = self.evidence.buckets(x)
+        tok = self.tokenizer
+        prompts = []
+        for hs, cs, b in zip(hist, candidates, buckets, strict=True):
+            text = render_prompt(
+                [self.sids.codes[h] for h in hs], [self.sids.codes[c] for c in cs], b, FEATURE_NAMES
+            )
+            prompts.append([tok.bos_token_id, *tok(text, add_special_tokens=False)["input_ids"]])
+        return prompts
+
+    def decode(
+        self,
+        prompts: list[list[int]],
+        decoder: str = "diffusion",
+        tau: float = 0.9,
+        batch_size: int | None = None,
+    ) -> Decoded:
+        """Decode prompts in batches of `batch_size`; decoder "ar" or "diffusion" (needs block_size > 0)."""
+        if decoder not in ("ar", "diffusion"):
+            raise ValueError(f"decoder must be 'ar' or 'diffusion', got {decoder!r}")
+        if decoder == "diffusion" and self.block_size < 1:
+            raise ValueError(f"{self.name} is an AR model (block_size 0): use decoder='ar'")
+        if not 0.0 < tau <= 1.0:
+            raise ValueError(f"tau must be in (0, 1], got {tau}")
+        bs = batch_size or self.batch_size
+        eos = self.tokenizer.eos_token_id
+        responses: list[list[int]] = []
+        nfe, seconds = 0, 0.0
+        for b0 in range(0, len(prompts), bs):
+            chunk = prompts[b0 : b0 + bs]
+            t0 = time.perf_counter()
+            if decoder == "ar":
+                toks, n = ar_generate(self.model, chunk, self.max_new_tokens, eos)
+            else:
+                toks, n, _ = diffusion_generate(
+                    self.model,
+                    chunk,
+                    self.max_new_tokens,
+                    self.block_size,
+                    tau,
+                    self.tokenizer.mask_token_id,
+                    eos,
+                )
+            seconds += time.perf_counter() - t0
+            nfe += n
+            responses += [_until_eos(row, eos) for row in toks.tolist()]
+        return Decoded(responses, nfe, seconds)
+
+    def read_answer(self, response: list[int], n: int) -> tuple[list[int], bool, str | None, str | None]:
+        """(ranking indices, valid, reason, trace). Invalid output falls back to the upstream order."""
+        text = self.tokenizer.decode(response, skip_special_tokens=True)
+        brace = text.find("{")
+        trace = text[:brace].strip() if brace > 0 else None
+        parsed = parse_response(text, n)
+        if parsed.ranking is None:
+            return list(range(n)), False, parsed.reason, trace
+        return parsed.ranking, True, None, trace
+
+
+def _until_eos(row: list[int], eos: int) -> list[int]:
+    return row[: row.index(eos) + 1] if eos in row else row
+
+
+# ---------------------------------------------------------------------- bundles
+
+
+def save_bundle(
+    out_dir: str | Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    sids: SemanticIds,
+    evidence: Evidence,
+    config: dict,
+) -> Path:
+    """Write a loadable model directory (see the module docstring)."""
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    save_model(model, out / "model")
+    tokenizer.save_pretrained(str(out / "tokenizer"))
+    sids.save(out / "sids.json")
+    evidence.save(out / "evidence")
+    (out / ITEMS_FILE).write_text("".join(f"{i}\n" for i in sorted(sids.codes)))
+    cfg = {"kind": KIND, **config}
+    cfg["block_size"] = int(getattr(model.config, "gr2_block_size", 0) or 0)
+    (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, default=str) + "\n")
+    return out
+
+
+def load_bundle_parts(path: str | Path) -> tuple[torch.nn.Module, Any, SemanticIds, Evidence, dict]:
+    path = Path(path)
+    cfg = json.loads((path / CONFIG_FILE).read_text())
+    model, _ = load_model(path / "model")
+    return (
+        model,
+        load_tokenizer(path / "tokenizer"),
+        SemanticIds.load(path / "sids.json"),
+        Evidence.load(path / "evidence"),
+        cfg,
+    )
+
+
+@register_reranker(KIND)
+def _load_generative(path: Path, cfg: dict) -> GenerativeReranker:
+    model, tok, sids, ev, cfg = load_bundle_parts(path)
+    return GenerativeReranker(model, tok, sids, ev, cfg)
+
+
+def mean_tokens(responses: list[list[int]]) -> float:
+    return float(np.mean([len(r) for r in responses])) if responses else 0.0

@@ -1,0 +1,128 @@
+"""Evaluation of the generative models: accuracy rows over the whole test split, and speed measured side by side.
+
+Accuracy: every model decodes every test list through `GenerativeReranker` (the serving code path): parse,
+fall back to the retriever order on invalid output, score with gr2.metrics.evaluate (paired CIs vs the floor).
+
+Speed: in this one process, on the same test lists and thread count, each decoder runs at batch 1 and at a
+serving batch; tokens/s counts generated tokens up to and including eos. `speedup_vs_ar` divides by the AR
+teacher's tokens/s at the same batch; `ideal_speedup` is the same ratio in tokens per forward pass (what the
+speedup would be if a block forward cost what an AR step costs), so the per-forward overhead is visible.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from gr2.config import Profile
+from gr2.generative import GenerativeReranker, _load_generative
+from gr2.inference import read_config
+from gr2.metrics import evaluate
+
+log = logging.getLogger(__name__)
+
+
+def load(bundle: str | Path) -> GenerativeReranker:
+    return _load_generative(Path(bundle), read_config(bundle))
+
+
+def decode_rows(
+    model: GenerativeReranker, examples: pd.DataFrame, decoder: str, tau: float | None, profile: Profile
+) -> dict:
+    """One report row: metrics over `examples` (+ validity, invalid reasons, mean response tokens)."""
+    prompts = model.encode_prompts(examples["history"].tolist(), examples["candidates"].tolist())
+    out = model.decode(prompts, decoder, tau or 1.0, profile.eval.batch_size)
+    n = profile.data.n_candidates
+    answers = [model.read_answer(r, n) for r in out.responses]
+    row = evaluate(
+        examples,
+        [a[0] for a in answers],
+        [a[1] for a in answers],
+        n_boot=profile.bootstrap_samples,
+        seed=profile.seed,
+        model=model.name,
+        tau=tau,
+    )
+    reasons: dict[str, int] = {}
+    for a in answers:
+        if not a[1]:
+            reasons[a[2]] = reasons.get(a[2], 0) + 1
+    row["invalid_reasons"] = reasons
+    row["mean_response_tokens"] = sum(len(r) for r in out.responses) / max(len(out.responses), 1)
+    return row
+
+
+def measure_speed(
+    model: GenerativeReranker, prompts: list[list[int]], decoder: str, tau: float | None, batch: int
+) -> dict:
+    """tokens/s, nfe per sequence and tokens per forward for decoding `prompts` at `batch`."""
+    out = model.decode(prompts, decoder, tau or 1.0, batch)
+    tokens = sum(len(r) for r in out.responses)
+    n_batches = -(-len(prompts) // batch)
+    return {
+        "model": model.name,
+        "tau": tau,
+        "batch": batch,
+        "tokens_per_s": tokens / max(out.seconds, 1e-9),
+        # nfe counts forwards per batch call; per sequence it is the mean over batch calls.
+        "nfe_per_seq": out.nfe / n_batches,
+        "tokens_per_forward": (tokens / len(prompts)) / max(out.nfe / n_batches, 1e-9),
+        "n_sequences": len(prompts),
+        "seconds": out.seconds,
+    }
+
+
+def evaluate_generative(
+    bundles: dict[str, str | Path], test: pd.DataFrame, profile: Profile
+) -> tuple[list[dict], list[dict]]:
+    """Rows for every bundle (AR models decoded AR; diffusion models at each tau) and the speed list.
+
+    `bundles` maps a row name to a bundle; the AR teacher must be under "ar" (the speed baseline)."""
+    if "ar" not in bundles:
+        raise ValueError("evaluate_generative needs the AR teacher under the name 'ar' (the speed baseline)")
+    torch.set_num_threads(profile.eval.threads)
+    ev, dc = profile.eval, profile.diffusion
+    models = {name: load(path) for name, path in bundles.items()}
+    for name, m in models.items():
+        m.name = name
+    rows: list[dict] = []
+    plans: list[tuple[str, str, float | None]] = []
+    for name, m in models.items():
+        if m.block_size == 0:
+            plans.append((name, "ar", None))
+        elif name == "naive":
+            plans.append((name, "diffusion", dc.eval_tau))
+        else:
+            plans += [(name, "diffusion", t) for t in dc.taus]
+    for name, decoder, tau in plans:
+        log.info("evaluate %s (%s, tau=%s) on %d test lists", name, decoder, tau, len(test))
+        rows.append(decode_rows(models[name], test, decoder, tau, profile))
+
+    # Speed, side by side: same prompts (the first test lists), same threads, batch 1 and the serving batch.
+    ar = models["ar"]
+    speed_plans = [p for p in plans if p[0] == "ar" or (p[1] == "diffusion" and p[0] != "naive")]
+    speed: list[dict] = []
+    for batch, n_ex in ((1, ev.speed_examples), (ev.speed_batch, ev.speed_batch_examples)):
+        sub = test.head(n_ex)
+        prompts = ar.encode_prompts(sub["history"].tolist(), sub["candidates"].tolist())
+        base = None
+        for name, decoder, tau in speed_plans:
+            s = measure_speed(models[name], prompts, decoder, tau, batch)
+            if name == "ar":
+                base = s
+            speed.append(s)
+        for s in speed[-len(speed_plans) :]:
+            s["speedup_vs_ar"] = s["tokens_per_s"] / base["tokens_per_s"]
+            s["ideal_speedup"] = s["tokens_per_forward"] / base["tokens_per_forward"]
+    # Each row's own speed figures are its batch-1 ones.
+    b1 = {(s["model"], s["tau"]): s for s in speed if s["batch"] == 1}
+    for row in rows:
+        s = b1.get((row["model"], row["tau"]))
+        if s is not None:
+            row.update(
+                nfe_per_seq=s["nfe_per_seq"], tokens_per_s=s["tokens_per_s"], speedup_vs_ar=s["speedup_vs_ar"]
+            )
+    return rows, speed

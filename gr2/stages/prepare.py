@@ -1,0 +1,105 @@
+"""Ingredients shared by every generative stage: evidence tables, semantic IDs, tokenizer, reasoning teacher and
+the SFT records (prompt -> trace + answer). Built once from the training split and saved to a folder, so the
+AR teacher, its no-trace ablation and CFT all train on exactly the same data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from gr2.config import Profile
+from gr2.data.dataset import Dataset
+from gr2.data.split import train_sequences
+from gr2.evidence import FEATURE_NAMES, Evidence
+from gr2.sid import SemanticIds, build_semantic_ids
+from gr2.teacher import Teacher, build_sft_records_from_arrays, fit_teacher
+from gr2.tokenizer import load_tokenizer, tokenizer_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SFTData:
+    evidence: Evidence
+    sids: SemanticIds
+    tokenizer: Any
+    teacher: Teacher
+    records: dict[str, list]  # variant ("trace" | "ar_no_trace") -> [(prompt_ids, response_ids, weights)]
+    stats: dict
+
+    def save(self, out: str | Path) -> Path:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        self.evidence.save(out / "evidence")
+        self.sids.save(out / "sids.json")
+        self.tokenizer.save_pretrained(str(out / "tokenizer"))
+        self.teacher.save(out / "teacher.json")
+        torch.save({k: [tuple(map(list, r)) for r in v] for k, v in self.records.items()}, out / "records.pt")
+        (out / "stats.json").write_text(json.dumps(self.stats, indent=2, default=float))
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path) -> SFTData:
+        p = Path(path)
+        return cls(
+            evidence=Evidence.load(p / "evidence"),
+            sids=SemanticIds.load(p / "sids.json"),
+            tokenizer=load_tokenizer(p / "tokenizer"),
+            teacher=Teacher.load(p / "teacher.json"),
+            records=torch.load(p / "records.pt"),
+            stats=json.loads((p / "stats.json").read_text()),
+        )
+
+
+def list_features(evidence: Evidence, df: pd.DataFrame) -> np.ndarray:
+    """[L, N, F] evidence features; training lists subtract their own target interaction (as the retriever)."""
+    own = [t if s == "train" else None for t, s in zip(df["target"], df["split"], strict=True)]
+    return evidence.features_batch(df["history"].tolist(), df["candidates"].tolist(), own)
+
+
+def _subsample(df: pd.DataFrame, n: int, seed: int) -> pd.DataFrame:
+    if n <= 0 or len(df) <= n:
+        return df
+    return df.sample(n=n, random_state=seed).sort_index()
+
+
+def prepare_sft(examples: pd.DataFrame, dataset: Dataset, profile: Profile) -> SFTData:
+    """Fit evidence (training sequences only), semantic IDs, tokenizer and the reasoning teacher; build records."""
+    t0 = time.perf_counter()
+    seed = profile.seed
+    seqs = train_sequences(dataset)
+    evidence = Evidence.fit(seqs, dataset.items, profile.evidence)
+    train = _subsample(examples[examples["split"] == "train"], profile.data.max_train_examples, seed)
+    train = train.reset_index(drop=True)
+    x_train = list_features(evidence, train)
+    evidence.fit_buckets(x_train)
+    b_train = evidence.buckets(x_train)
+    sids = build_semantic_ids(dataset.name, dataset.items, seqs, profile.sid, seed)
+    tokenizer = tokenizer_for(sids, FEATURE_NAMES, profile.prompt)
+    labels = train["label"].to_numpy()
+    teacher = fit_teacher(x_train, labels, FEATURE_NAMES, profile.teacher, seed)
+    stats: dict = {"sid": sids.stats, "n_train_lists": len(train), "vocab_size": len(tokenizer)}
+    for split in ("val", "test"):
+        part = examples[examples["split"] == split]
+        if len(part):
+            x = list_features(evidence, part)
+            stats[f"teacher_recall@1_{split}"] = teacher.recall_at(x, part["label"].to_numpy(), 1)
+    records = {}
+    for variant in ("trace", "ar_no_trace"):
+        st: dict = {}
+        records[variant] = build_sft_records_from_arrays(
+            train, x_train, b_train, FEATURE_NAMES, sids, teacher, tokenizer, profile, seed, variant, st
+        )
+        stats[f"records_{variant}"] = st
+    stats["seconds"] = round(time.perf_counter() - t0, 1)
+    log.info("prepare_sft: %s", {k: v for k, v in stats.items() if k != "sid"})
+    return SFTData(evidence, sids, tokenizer, teacher, records, stats)

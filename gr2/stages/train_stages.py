@@ -1,0 +1,137 @@
+"""The training stages built on the shared loop (gr2/train.py): AR teacher SFT (GR2), and AR -> block-diffusion
+conversion + conversion fine-tuning (CFT). Each writes a servable bundle (gr2/generative.py) plus its training
+log and loss curve; each resumes from its checkpoints when re-run on the same folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from gr2.config import Profile, TrainConfig
+from gr2.generative import load_bundle_parts, save_bundle
+from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
+from gr2.model import build_model, convert_to_diffusion, n_params
+from gr2.stages.prepare import SFTData
+from gr2.train import BucketedBatches, LossFn, TrainResult, train
+
+log = logging.getLogger(__name__)
+
+
+def _max_new_tokens(records: list, block_size: int) -> int:
+    """Longest training response plus one block of slack, rounded up to a block multiple."""
+    longest = max(len(r[1]) for r in records)
+    b = max(block_size, 1)
+    return -(-(longest + b) // b) * b
+
+
+def _fit(
+    model: torch.nn.Module, records: list, collate_fn, loss_fn: LossFn, cfg: TrainConfig, out: Path
+) -> TrainResult:
+    batches = BucketedBatches(records, cfg.batch_size, collate_fn, seed=cfg.seed)
+    return train(model, batches, loss_fn, cfg, out)
+
+
+def _summary(res: TrainResult, model: torch.nn.Module, n_records: int) -> dict:
+    return {
+        "steps": res.step,
+        "final_loss": float(sum(res.losses[-20:]) / max(len(res.losses[-20:]), 1)) if res.losses else None,
+        "tokens_per_s": round(res.tokens_per_s, 1),
+        "n_params": n_params(model),
+        "n_records": n_records,
+        "loss_curve": str(res.out_dir / "loss_curve.png") if res.out_dir else None,
+    }
+
+
+def train_ar_teacher(data: SFTData, profile: Profile, out_dir: str | Path, variant: str = "trace") -> Path:
+    """SFT of the AR re-ranker on prompt -> (trace, answer), answer weighted above trace. Returns the bundle.
+
+    variant "ar_no_trace" trains the same model on answers only (what the trace buys)."""
+    out = Path(out_dir)
+    records = data.records[variant]
+    tok = data.tokenizer
+    torch.manual_seed(profile.seed)
+    model = build_model(
+        profile.model,
+        len(tok),
+        tok.pad_token_id,
+        tok.eos_token_id,
+        tok.bos_token_id,
+        tok.mask_token_id,
+        profile.seed,
+    )
+    res = _fit(
+        model, records, partial(collate, pad_id=tok.pad_token_id), ar_batch_loss, profile.sft, out / "train"
+    )
+    meta = {
+        "name": "ar" if variant == "trace" else "ar_no_trace",
+        "stage": "sft",
+        "variant": variant,
+        "n_candidates": profile.data.n_candidates,
+        "max_new_tokens": _max_new_tokens(records, 1),
+        "train": _summary(res, model, len(records)),
+        "profile": profile.name,
+    }
+    log.info("train_ar_teacher %s: %s", variant, meta["train"])
+    return save_bundle(out / "bundle", model, tok, data.sids, data.evidence, meta)
+
+
+def convert(ar_bundle: str | Path, block_size: int, out_dir: str | Path, name: str = "naive") -> Path:
+    """Naive conversion (PAPER 3.1): copy every AR weight unchanged; only block size and mask token change."""
+    model, tok, sids, ev, cfg = load_bundle_parts(ar_bundle)
+    student = convert_to_diffusion(model, block_size, tok.mask_token_id)
+    meta = {**cfg, "name": name, "stage": "convert", "parent": str(ar_bundle)}
+    meta["max_new_tokens"] = -(-cfg["max_new_tokens"] // block_size) * block_size + block_size
+    return save_bundle(out_dir, student, tok, sids, ev, meta)
+
+
+def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir: str | Path) -> Path:
+    """Conversion fine-tuning: the masked-diffusion objective inside blocks on the SFT records (PAPER 3.2).
+
+    Responses are padded to block multiples with eos (what the decoder leaves after the answer), padding
+    excluded from the loss unless diffusion.pad_weight > 0; complementary masks; block-causal attention +
+    token shift. Same loop, batches and checkpointing as SFT."""
+    out = Path(out_dir)
+    model, tok, sids, ev, cfg = load_bundle_parts(naive_bundle)
+    dc = profile.diffusion
+    bs = int(model.config.gr2_block_size)
+    if bs != dc.block_size:
+        raise ValueError(f"bundle block_size {bs} != profile diffusion.block_size {dc.block_size}")
+    records = data.records["trace"]
+    collate_fn = partial(
+        collate,
+        pad_id=tok.pad_token_id,
+        block_size=bs,
+        resp_pad_id=tok.eos_token_id,
+        pad_weight=dc.pad_weight,
+    )
+    loss_fn = partial(
+        _cft_loss,
+        block_size=bs,
+        mask_id=tok.mask_token_id,
+        noise_eps=dc.noise_eps,
+        complementary=dc.complementary,
+        weighting=dc.loss_weighting,
+    )
+    res = _fit(model, records, collate_fn, loss_fn, profile.cft, out / "train")
+    meta = {
+        **cfg,
+        "name": "cft",
+        "stage": "cft",
+        "parent": str(naive_bundle),
+        "train": _summary(res, model, len(records)),
+    }
+    log.info("train_cft: %s", meta["train"])
+    return save_bundle(out / "bundle", model, tok, sids, ev, meta)
+
+
+def _cft_loss(model, batch, rng, **kw) -> torch.Tensor:
+    return masked_diffusion_loss(model, batch, rng=rng, **kw)
+
+
+def bundle_meta(bundle: str | Path) -> dict:
+    return json.loads((Path(bundle) / "reranker.json").read_text())

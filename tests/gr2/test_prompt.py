@@ -1,0 +1,121 @@
+"""Prompt/response format: lengths, weights, and render -> tokenize -> decode -> parse round trips."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gr2.evidence import FEATURE_NAMES
+from gr2.prompt import (
+    DUPLICATE,
+    MISSING_ANSWER,
+    OMITTED,
+    OUT_OF_SET,
+    UNPARSEABLE,
+    WRONG_LENGTH,
+    encode_example,
+    feature_aliases,
+    parse_response,
+    render_answer,
+    render_prompt,
+    render_response,
+)
+from gr2.tokenizer import build_tokenizer
+
+K = 16
+TRACE = "step 1 : [C] follows last item <trans_3> co-occurs with history <co_2> ; top [C] [A] [F]"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer((K, K, K, 2), FEATURE_NAMES)
+
+
+def _example(rng, h=20, n=10):
+    hist = [tuple(int(c) for c in rng.integers(0, K, 3)) + (0,) for _ in range(h)]
+    cands = [tuple(int(c) for c in rng.integers(0, K, 3)) + (int(rng.integers(0, 2)),) for _ in range(n)]
+    buckets = rng.integers(0, 4, (n, len(FEATURE_NAMES)))
+    return hist, cands, buckets
+
+
+def test_feature_aliases_distinct_and_short():
+    aliases = feature_aliases(FEATURE_NAMES, len(FEATURE_NAMES))
+    assert len(set(aliases)) == len(aliases)
+    assert aliases[:3] == ["trans", "trec", "co"]
+
+
+def test_prompt_length_and_content(tok):
+    hist, cands, buckets = _example(np.random.default_rng(0))
+    text = render_prompt(hist, cands, buckets, FEATURE_NAMES)
+    words = text.split()
+    # 'history' + 20 x 4 SID + 'candidates' + 10 x (label + 4 SID + 7 buckets) = 202 tokens.
+    assert len(words) == 2 + 80 + 10 * (1 + 4 + len(FEATURE_NAMES)) < 250
+    assert words[1:5] == [f"<a_{hist[0][0]}>", f"<b_{hist[0][1]}>", f"<c_{hist[0][2]}>", "<d_0>"]
+    i = words.index("[C]")
+    assert words[i + 5 : i + 5 + len(FEATURE_NAMES)][0] == f"<trans_{buckets[2, 0]}>"
+    assert tok.unk_token_id not in tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("trace", [TRACE, None])
+def test_encode_round_trip(tok, trace):
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        hist, cands, buckets = _example(rng, h=int(rng.integers(0, 21)))
+        ranking = [int(i) for i in rng.permutation(10)]
+        p, r, w = encode_example(tok, hist, cands, buckets, ranking, trace, FEATURE_NAMES, 1.0, 0.3)
+        assert p[0] == tok.bos_token_id and r[-1] == tok.eos_token_id and len(r) == len(w)
+        n_trace = len(trace.split()) if trace else 0
+        assert w[:n_trace] == [0.3] * n_trace and w[n_trace:] == [1.0] * (len(r) - n_trace)
+        assert len(r) - n_trace == 26  # { "ranking" : [ 10 labels, 9 commas ] } <eos>
+        assert parse_response(r, 10, tok) == (ranking, None, None)
+        text = tok.decode(r, skip_special_tokens=True)
+        assert text == render_response(trace, ranking)
+        assert parse_response(text).ranking == ranking
+
+
+def test_render_response_accepts_letters():
+    assert render_answer(["B", "A"]) == '{ "ranking" : [ "B" , "A" ] }'
+    assert render_response(None, [1, 0]) == render_answer(["B", "A"])
+
+
+def test_encode_rejects_out_of_vocabulary(tok):
+    hist, cands, buckets = _example(np.random.default_rng(2))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        encode_example(tok, hist, cands, buckets, list(range(10)), "step 1 : banana", FEATURE_NAMES)
+    cands[0] = (K + 5, 0, 0, 0)  # a code beyond the codebook
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        encode_example(tok, hist, cands, buckets, list(range(10)), None, FEATURE_NAMES)
+
+
+def _ans(labels: str) -> str:
+    return render_answer(list(labels))
+
+
+@pytest.mark.parametrize(
+    ("text", "reason", "detail"),
+    [
+        ("step 1 : [C] ; top [C]", MISSING_ANSWER, None),
+        ('{ "order" : [ ] }', MISSING_ANSWER, None),
+        ('{ "ranking" : [ "A" , "B" ', UNPARSEABLE, None),
+        ('{ "ranking" : [ "A" "B" ] }', UNPARSEABLE, None),
+        ('{ "ranking" : "ABC" }', UNPARSEABLE, None),
+        (_ans("ABCDEFGHIJA"), WRONG_LENGTH, "11 labels for 10 candidates"),
+        (_ans("ABCDEFGHIK"), OUT_OF_SET, "'K'"),
+        ('{ "ranking" : [ 1 ] }', OUT_OF_SET, "1"),
+        (_ans("ABCDEFGHIA"), DUPLICATE, "A"),
+        (_ans("ABCCE"), DUPLICATE, "C"),
+        (_ans("ABCDEFGH"), OMITTED, "I,J"),
+    ],
+)
+def test_parse_reasons(text, reason, detail):
+    res = parse_response(text, 10)
+    assert res.ranking is None and res.reason == reason
+    if detail is not None:
+        assert res.detail == detail
+
+
+def test_parse_ignores_trailing_tokens_and_smaller_n():
+    assert parse_response(_ans("CAB") + " } ] step", 3).ranking == [2, 0, 1]
+    assert parse_response(_ans("CAB"), 4).reason == OMITTED
+    with pytest.raises(ValueError, match="tokenizer"):
+        parse_response([1, 2, 3])

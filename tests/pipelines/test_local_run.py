@@ -1,0 +1,49 @@
+"""kfp.local smoke runs of the whole DAG on a small real slice (SubprocessRunner, use_venv=False)."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from pipelines.run_local import run_local
+from tests.components.slices import SLICE_BOUNDS, SLICE_USERS, require_slice
+
+pytestmark = pytest.mark.slow
+
+
+def test_local_run_writes_report(tmp_path):
+    data = require_slice()
+    res = run_local(
+        str(data), "quick", tmp_path, "smoke", "2026-01-01", SLICE_USERS, json.dumps(SLICE_BOUNDS)
+    )
+    rep = res["report"]
+    assert rep is not None, res["validation"]
+    assert [r["model"] for r in rep["rows"]] == ["floor", "popularity", "ltr"]
+    for r in rep["rows"]:
+        assert 0 <= r["recall@1"] <= r["recall@3"] <= r["recall@5"] <= 1
+        assert r["validity"] == 1.0
+    floor = rep["rows"][0]
+    assert floor["delta_vs_floor"]["recall@1"] == [0.0, 0.0]
+    # Hit rate = test examples / users with a test target (>= 2 interactions) in the slice.
+    inter = pd.read_csv(data / "interactions.tsv", sep="\t", dtype=str)
+    users = sorted(inter["user_id"].unique())[:SLICE_USERS]
+    n_test_targets = int((inter[inter["user_id"].isin(users)].groupby("user_id").size() >= 2).sum())
+    ret = rep["retriever"]
+    assert ret["n_test_targets"] == n_test_targets
+    assert ret["hit_rate"] == pytest.approx(ret["n_test_examples"] / n_test_targets)
+    assert floor["n_users"] == ret["n_test_examples"]
+    assert [v["passed"] for v in res["validation"]] == [True, True]
+    assert (tmp_path / "smoke" / "report.md").exists() and (tmp_path / "latest").resolve().name == "smoke"
+
+
+def test_failed_validation_stops_the_pipeline(tmp_path):
+    data = require_slice()
+    res = run_local(
+        str(data), "quick", tmp_path, "bad", "2026-01-01", SLICE_USERS, '{"min_targets": 10000000}'
+    )
+    assert res["report"] is None
+    [v] = res["validation"]  # only the targets validation ran; candidates and evaluation were skipped
+    assert not v["passed"] and "expect_table_row_count_to_be_between" in v["message"]
+    assert not list((tmp_path / "bad" / "kfp").glob("**/candidates"))

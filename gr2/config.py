@@ -44,6 +44,7 @@ class EvidenceConfig:
 class LTRConfig:
     model: str = "gbdt"  # "gbdt" | "logreg"
     max_train_lists: int = 20000
+    n_threads: int = 1  # OpenMP threads for the GBDT (oversubscribed spin-waits are very slow on 2 cores)
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,44 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class OPDConfig:
+    """On-policy distillation (PAPER 3.3): student rollouts scored by the frozen AR teacher.
+
+    Optimiser settings are flat (not a nested TrainConfig) so dotted overrides like opd.lr keep the defaults."""
+
+    rollouts_per_prompt: int = 4  # G'
+    prompts_per_step: int = 8  # 128 in the paper
+    direction: str = "reverse"  # "reverse": KL(student || teacher) | "forward": KL(teacher || student)
+    temperature: float = 1.0  # rollout sampling temperature (on-policy: 1.0)
+    tau: float = 0.9  # commit threshold of the rollout decoder
+    max_prompts: int = 2000  # training lists the prompts are drawn from (0 = all)
+    lr: float = 3e-5  # constant (PAPER: 1e-6 for an 8B model; scaled up for the tiny CPU models)
+    steps: int = 30
+    grad_clip: float = 1.0
+    checkpoint_every: int = 10
+    log_every: int = 5
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """GRPO/DAPO (PAPER 3.4, GR2 stage 3); one implementation for the AR teacher and the diffusion student."""
+
+    group_size: int = 8  # G rollouts per prompt
+    prompts_per_step: int = 8
+    alpha: float = 0.2  # conditional format bonus weight
+    clip_eps: float = 0.2  # epsilon_low
+    clip_eps_high: float = 0.2  # epsilon_high (> clip_eps = DAPO clip-higher, e.g. 0.28)
+    temperature: float = 1.0  # rollout sampling temperature (group diversity)
+    tau: float = 0.9  # commit threshold of the diffusion rollout decoder
+    max_prompts: int = 2000  # training lists the prompts are drawn from (0 = all)
+    lr: float = 1e-5  # constant (PAPER: 5e-7 for 600 steps on an 8B model; scaled for the tiny models)
+    steps: int = 30
+    grad_clip: float = 1.0
+    checkpoint_every: int = 10
+    log_every: int = 5
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str = "quick"
     seed: int = 0
@@ -157,6 +196,9 @@ class Profile:
     prompt: PromptConfig = field(default_factory=PromptConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    opd: OPDConfig = field(default_factory=OPDConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    ar_rl: RLConfig = field(default_factory=RLConfig)
     bootstrap_samples: int = 1000
 
     def to_dict(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
+from threadpoolctl import threadpool_limits
 
 from gr2.config import LTRConfig
 from gr2.metrics import ndcg_at_k, recall_at_k
@@ -63,10 +64,11 @@ class LTRModel:
     val: dict = field(default_factory=dict)  # validation R@1 / NDCG@5 of the chosen params
     grid: list[dict] = field(default_factory=list)  # every tried params with its validation scores
 
-    def scores(self, X: np.ndarray) -> np.ndarray:
+    def scores(self, X: np.ndarray, n_threads: int = 1) -> np.ndarray:
         B, N, _ = X.shape
         Z = list_features(X).reshape(B * N, -1)
-        return self.estimator.predict_proba(Z)[:, 1].reshape(B, N)
+        with threadpool_limits(limits=n_threads):
+            return self.estimator.predict_proba(Z)[:, 1].reshape(B, N)
 
     def rank(self, X: np.ndarray) -> list[list[int]]:
         return rankings_from_scores(self.scores(X))
@@ -99,9 +101,10 @@ def fit_ltr(
     best: LTRModel | None = None
     tried = []
     for params in GRIDS[cfg.model]:
-        est = _make(cfg.model, params, seed).fit(Z, y)
-        m = LTRModel(cfg.model, params, est)
-        m.val = _val_scores(m, val_X, np.asarray(val_labels))
+        with threadpool_limits(limits=cfg.n_threads):
+            est = _make(cfg.model, params, seed).fit(Z, y)
+            m = LTRModel(cfg.model, params, est)
+            m.val = _val_scores(m, val_X, np.asarray(val_labels))
         tried.append({**params, **{f"val_{k}": v for k, v in m.val.items()}})
         log.info("ltr %s %s val %s", cfg.model, params, m.val)
         if best is None or (m.val["recall@1"], m.val["ndcg@5"]) > (best.val["recall@1"], best.val["ndcg@5"]):

@@ -218,8 +218,9 @@ def _l2(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(norm, 1e-12)
 
 
-def _sq_dist(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    return (x * x).sum(1, keepdim=True) - 2 * x @ c.T + (c * c).sum(1)[None, :]
+def _sq_dist(x: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Squared Euclidean distances [n, k] (float32 BLAS)."""
+    return (x * x).sum(1, keepdims=True) - 2 * x @ c.T + (c * c).sum(1)[None, :]
 
 
 def _kmeanspp(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -238,22 +239,23 @@ def _kmeanspp(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def kmeans(x: np.ndarray, k: int, iters: int = 20, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """k-means++ init then Lloyd iterations (float32 torch). Returns (codes [n], centroids [k, d])."""
+    """k-means++ init then Lloyd iterations (numpy float32). Returns (codes [n], centroids [k, d])."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    k = min(k, x.shape[0])
-    c = torch.from_numpy(_kmeanspp(x, k, np.random.default_rng(seed)))
-    xt = torch.from_numpy(x)
+    n = x.shape[0]
+    k = min(k, n)
+    c = _kmeanspp(x, k, np.random.default_rng(seed))
     for _ in range(iters):
-        d = _sq_dist(xt, c)
+        d = _sq_dist(x, c)
         codes = d.argmin(1)
-        counts = torch.bincount(codes, minlength=k).to(xt.dtype)
-        sums = torch.zeros_like(c).index_add_(0, codes, xt)
+        counts = np.bincount(codes, minlength=k).astype(np.float32)
+        # Cluster sums as a sparse one-hot product: far cheaper than np.add.at.
+        sums = sp.csr_matrix((np.ones(n, np.float32), (codes, np.arange(n))), shape=(k, n)) @ x
         empty = counts == 0
-        c = torch.where(empty[:, None], c, sums / counts.clamp(min=1)[:, None])
+        c = np.where(empty[:, None], c, sums / np.maximum(counts, 1)[:, None]).astype(np.float32)
         if empty.any():  # re-seed empty clusters on the worst-fit points
-            worst = d.gather(1, codes[:, None]).squeeze(1).argsort(descending=True)[: int(empty.sum())]
-            c[empty] = xt[worst]
-    return _sq_dist(xt, c).argmin(1).numpy(), c.numpy()
+            worst = np.argsort(-d[np.arange(n), codes])[: int(empty.sum())]
+            c[empty] = x[worst]
+    return _sq_dist(x, c).argmin(1), c
 
 
 def _unique_last_level(prefix: np.ndarray, dist: np.ndarray) -> np.ndarray:
@@ -297,7 +299,7 @@ def residual_kmeans(
             diag["plain_rq_unique_prefix_frac"] = len(
                 set(map(tuple, np.concatenate([out[:, :level], codes[:, None]], 1).tolist()))
             ) / len(x)
-            d = _sq_dist(torch.from_numpy(resid), torch.from_numpy(cents)).numpy()
+            d = _sq_dist(resid, cents)
             codes = _unique_last_level(out[:, :level], d)
             diag["last_level_moved_frac"] = float((codes != d.argmin(1)).mean())
         out[:, level] = codes

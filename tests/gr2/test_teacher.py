@@ -90,6 +90,10 @@ def test_make_trace_cites_top_candidates_with_evidence():
     )
     tok = build_tokenizer((4, 4, 4, 1), NAMES)
     assert tok.unk_token_id not in tok(trace, add_special_tokens=False)["input_ids"]
+    # Without a ranking the trace follows the scores; default contributions = the buckets.
+    scores = np.zeros(10)
+    scores[[0, 2, 5]] = [3.0, 2.0, 1.0]
+    assert make_trace(b, scores, None, NAMES).endswith("top [A] [C] [F]")
 
 
 def _toy_sids(n_items: int) -> SemanticIds:

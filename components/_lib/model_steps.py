@@ -1,0 +1,113 @@
+"""The generative model steps as plain functions over folders (called by the KFP components, the CLI, tests).
+
+prepare_sft:   sources + examples -> sft_data/ (evidence, semantic IDs, tokenizer, teacher, SFT records)
+train_ar:      sft_data -> AR teacher bundle (GR2 SFT), variant "trace" or "ar_no_trace"
+convert_cft:   AR bundle + sft_data -> naive converted bundle, CFT bundle
+evaluate:      examples + bundles + the floor report -> the full report (rows, speed, plots)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from components._lib import sources
+from components._lib.steps import _profile, load_evidence
+from gr2.config import Profile
+
+log = logging.getLogger("gr2.steps")
+
+
+def prepare_sft(
+    sources_dir: str | Path, examples_path: str | Path, out_dir: str | Path, profile: str | Profile
+) -> dict:
+    from gr2.stages.prepare import prepare_sft as _prepare
+
+    prof = _profile(profile)
+    data = _prepare(
+        sources.read_table(examples_path),
+        sources.read_dataset(sources_dir, event_ts=False),
+        prof,
+        load_evidence(sources_dir),
+    )
+    data.save(out_dir)
+    return {k: v for k, v in data.stats.items() if k != "sid"} | {
+        "sid_unique_levels_1_3": data.sids.stats.get("unique_frac_levels_1_3"),
+        "sid_codebook_size": data.sids.stats.get("codebook_size"),
+    }
+
+
+def train_ar(
+    sft_dir: str | Path, out_dir: str | Path, profile: str | Profile, variant: str = "trace"
+) -> dict:
+    """Train the AR teacher; the bundle goes to out_dir/bundle (training log and curve beside it)."""
+    from gr2.stages.prepare import SFTData
+    from gr2.stages.train_stages import bundle_meta, train_ar_teacher
+
+    bundle = train_ar_teacher(SFTData.load(sft_dir), _profile(profile), out_dir, variant)
+    return bundle_meta(bundle)["train"]
+
+
+def convert_cft(ar_dir: str | Path, sft_dir: str | Path, out_dir: str | Path, profile: str | Profile) -> dict:
+    """Naive conversion (out_dir/naive) then CFT (out_dir/cft/bundle)."""
+    from gr2.stages.prepare import SFTData
+    from gr2.stages.train_stages import bundle_meta, convert, train_cft
+
+    prof = _profile(profile)
+    out = Path(out_dir)
+    naive = convert(_bundle(ar_dir), prof.diffusion.block_size, out / "naive")
+    cft = train_cft(naive, SFTData.load(sft_dir), prof, out / "cft")
+    return bundle_meta(cft)["train"]
+
+
+def _bundle(stage_dir: str | Path) -> Path:
+    """A stage's output folder holds its bundle under bundle/ (or is the bundle itself)."""
+    p = Path(stage_dir)
+    return p / "bundle" if (p / "bundle" / "reranker.json").exists() else p
+
+
+def evaluate(
+    examples_path: str | Path,
+    floor_report_dir: str | Path,
+    bundles: dict[str, str | Path],
+    out_dir: str | Path,
+    profile: str | Profile,
+) -> dict[str, Any]:
+    """Add the generative rows and the speed list to the floor report; plots; write report.json / report.md."""
+    from components._lib.report_io import write_report
+    from gr2.plots import plot_frontier, plot_training_curves
+    from gr2.stages.evaluate import evaluate_generative
+
+    t0 = time.perf_counter()
+    prof = _profile(profile)
+    ex = sources.read_table(examples_path)
+    test = ex[ex["split"] == "test"].reset_index(drop=True)
+    if prof.data.max_eval_examples:
+        test = test.head(prof.data.max_eval_examples)
+    report = json.loads((Path(floor_report_dir) / "report.json").read_text())
+    paths = {name: _bundle(p) for name, p in bundles.items() if p}
+    rows, speed = evaluate_generative(paths, test, prof)
+    report["rows"] = report["rows"] + rows
+    report["speed"] = speed
+    report["training"] = {
+        name: json.loads((p / "reranker.json").read_text()).get("train") for name, p in paths.items()
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = [plot_frontier(report, out / "frontier.png")]
+    logs = {name: p.parent / "train" / "train_log.jsonl" for name, p in paths.items()}
+    curves = plot_training_curves({k: v for k, v in logs.items() if v.exists()}, out / "training_curves.png")
+    if curves:
+        plots.append(curves)
+    report["plots"] = [p.name for p in plots]
+    report["seconds_evaluate_models"] = round(time.perf_counter() - t0, 1)
+    write_report(report, out)
+    return report
+
+
+def copy_tree(src: str | Path, dst: str | Path) -> None:
+    shutil.copytree(src, dst, dirs_exist_ok=True)

@@ -1,0 +1,23 @@
+"""KFP component: AR -> block diffusion (weight copy + block-causal attention + token shift), then CFT."""
+
+from kfp import dsl
+from kfp.dsl import Artifact, Input, Metrics, Model, Output
+
+from components._image import COMPONENT_KWARGS
+
+
+@dsl.component(**COMPONENT_KWARGS)
+def convert_cft(
+    ar_model: Input[Model],
+    sft_data: Input[Artifact],
+    model: Output[Model],
+    metrics: Output[Metrics],
+    profile: str,
+):
+    """model/naive = the converted AR weights (no training); model/cft/bundle = after conversion fine-tuning."""
+    from components._lib import model_steps
+
+    info = model_steps.convert_cft(ar_model.path, sft_data.path, model.path, profile)
+    for k in ("final_loss", "tokens_per_s", "steps"):
+        if info.get(k) is not None:
+            metrics.log_metric(f"cft/{k}", info[k])

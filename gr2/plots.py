@@ -1,0 +1,65 @@
+"""Plots for the run report: the quality-speed frontier and the training curves (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_frontier(report: dict, path: str | Path) -> Path:
+    """recall@1 against decode tokens/s (batch 1) for every decoder row, the floor as a horizontal line."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for row in report["rows"]:
+        if row.get("tokens_per_s"):
+            label = row["model"] + (f" tau={row['tau']}" if row.get("tau") is not None else "")
+            ax.scatter(row["tokens_per_s"], row["recall@1"], s=30)
+            ax.annotate(
+                label,
+                (row["tokens_per_s"], row["recall@1"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    for row in report["rows"]:
+        if row["model"] in ("floor", "ltr"):
+            ax.axhline(row["recall@1"], ls="--", lw=0.8, color="grey" if row["model"] == "floor" else "green")
+            ax.text(ax.get_xlim()[0], row["recall@1"], f" {row['model']}", fontsize=7, va="bottom")
+    ax.set_xlabel("decode tokens/s (batch 1)")
+    ax.set_ylabel("recall@1 (test)")
+    ax.set_title(f"quality vs speed — {report.get('dataset', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_training_curves(
+    logs: dict[str, Path], path: str | Path, keys: tuple[str, ...] = ("loss", "reward", "kl")
+) -> Path | None:
+    """One panel per logged quantity (loss, and reward / KL where a stage logs them), one line per stage."""
+    series: dict[str, dict[str, tuple[list, list]]] = {k: {} for k in keys}
+    for name, log_path in logs.items():
+        rows = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
+        for k in keys:
+            pts = [(r["step"], r[k]) for r in rows if r.get(k) is not None]
+            if pts:
+                series[k][name] = ([p[0] for p in pts], [p[1] for p in pts])
+    panels = [k for k in keys if series[k]]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
+    for ax, k in zip(axes[0], panels, strict=True):
+        for name, (x, y) in series[k].items():
+            ax.plot(x, y, lw=0.8, label=name)
+        ax.set_xlabel("step")
+        ax.set_ylabel(k)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,42 @@
+"""The GR2 re-ranking reward (PAPER 3.0 / 3.4): rank promotion of the held-out item plus a conditional format bonus.
+
+    R = R_rank + alpha * R_fmt,   R_rank = (rank_before - rank_after) / N  in [-1, 1]
+
+rank_before = the held-out item's position in the retriever order (its `label`), rank_after = its position in
+the model's ranking (both 0-based; the difference is the same as with 1-based ranks). The format bonus
+(R_fmt = 1 for a valid permutation) is paid only when R_rank > 0 or the item was already first: with an
+unconditional bonus, re-emitting the input order earns R_rank = 0 + alpha on every list, and the policy learns
+to copy the retriever (reward hacking, GR2). Invalid or overflowing output (no eos) earns -1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gr2.prompt import parse_response
+
+INVALID_REWARD = -1.0
+
+
+def rank_reward(ranking: Sequence[int] | None, label: int, n: int, alpha: float = 0.2) -> float:
+    """R for one list: `ranking` = candidate indices best first (None = invalid), `label` = index of the target."""
+    if ranking is None:
+        return INVALID_REWARD
+    if not 0 <= label < n:
+        raise ValueError(f"label {label} outside 0..{n - 1}")
+    r_rank = (label - list(ranking).index(label)) / n
+    bonus = alpha if (r_rank > 0 or label == 0) else 0.0
+    return r_rank + bonus
+
+
+def response_reward(
+    response: Sequence[int], label: int, n: int, tokenizer: Any, alpha: float = 0.2
+) -> tuple[float, bool]:
+    """(R, valid) for generated token ids. A response without eos (ran out of tokens) counts as invalid."""
+    ids = list(response)
+    eos = tokenizer.eos_token_id
+    if eos not in ids:
+        return INVALID_REWARD, False
+    ranking = parse_response(ids[: ids.index(eos)], n, tokenizer).ranking
+    return rank_reward(ranking, label, n, alpha), ranking is not None

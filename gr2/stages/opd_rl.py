@@ -1,0 +1,367 @@
+"""On-policy stages on the shared training loop: OPD (PAPER 3.3) and RL (PAPER 3.4; GR2 stage 3 for the AR teacher).
+
+Both reuse `gr2.train.train` unchanged: each step's batch is a FRESH set of rollouts sampled from the current
+model by `batches_fn(step)` (a `RolloutBatch`, i.e. a `Batch` plus trajectories, old log-probs, advantages or
+the teacher's cached log-probs), and `loss_fn` replays it. So checkpoints, resume, lr schedule, grad clipping,
+train_log.jsonl and the loss curve are the SFT/CFT ones. Determinism for resume: the prompts of step s and the
+sampling generator are pure functions of (seed, s); the model at step s is restored from the checkpoint, so a
+resumed run samples the same rollouts as the killed one would have. One optimiser step per rollout batch
+(on-policy, rho = 1 at the step itself; the clip only bites if a batch were reused).
+
+Per-step rollout statistics (reward, validity, kept groups, KL, clip fraction, sampling seconds) go to
+out_dir/train/rollout_log.jsonl (truncated on resume like train_log.jsonl) and to out_dir/train/curves.png.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from gr2.config import Profile, TrainConfig
+from gr2.generative import GenerativeReranker, load_bundle_parts, save_bundle
+from gr2.opd import kl_per_token, make_opd_batch, opd_loss, sequence_mean
+from gr2.reward import response_reward
+from gr2.rl import RolloutBatch, group_advantages, grpo_loss, policy_logits, rollout_batch, sample
+from gr2.stages.prepare import SFTData
+from gr2.train import LOG_FILE, TrainResult, _truncate_log, latest_checkpoint, train
+
+log = logging.getLogger(__name__)
+ROLLOUT_LOG = "rollout_log.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+def train_prompts(
+    reranker: GenerativeReranker, examples: pd.DataFrame, max_prompts: int, seed: int
+) -> tuple[list[list[int]], list[int]]:
+    """Prompt ids and labels of (at most `max_prompts`, seeded sample of) the training lists the model can read."""
+    df = examples[examples["split"] == "train"]
+    n = reranker.n_candidates
+    ok = df["candidates"].map(lambda cs: len(cs) == n and all(reranker.known_item(c) for c in cs))
+    df = df[ok]
+    if max_prompts > 0 and len(df) > max_prompts:
+        df = df.sample(n=max_prompts, random_state=seed).sort_index()
+    if df.empty:
+        raise ValueError("no usable training lists (split == 'train' with known candidates)")
+    prompts = reranker.encode_prompts(df["history"].tolist(), df["candidates"].tolist())
+    return prompts, df["label"].astype(int).tolist()
+
+
+def prompts_for_step(n_prompts: int, per_step: int, step: int, seed: int) -> list[int]:
+    """Prompt indices of a step: epochs over a seeded permutation (a pure function of (seed, step))."""
+    per_epoch = max(1, n_prompts // per_step)
+    epoch, k = divmod(step, per_epoch)
+    order = list(range(n_prompts))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order[k * per_step : (k + 1) * per_step]
+
+
+def _generator(seed: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + step * 7919 + 17)
+
+
+# ---------------------------------------------------------------------------------------------- batches
+class RLBatches:
+    """batches_fn for RL: G sampled rollouts per prompt, GR2 rewards, group advantages, zero-variance groups
+    dropped (if every group is dropped, the batch keeps all rows with advantage 0: a zero-gradient step)."""
+
+    def __init__(self, model, prompts, labels, tokenizer, n, rc, block_size, max_new_tokens, seed):
+        self.model, self.prompts, self.labels, self.tok, self.n = model, prompts, labels, tokenizer, n
+        self.rc, self.block_size, self.max_new_tokens, self.seed = rc, block_size, max_new_tokens, seed
+
+    def __call__(self, step: int) -> RolloutBatch:
+        rc, G = self.rc, self.rc.group_size
+        idx = prompts_for_step(len(self.prompts), rc.prompts_per_step, step, self.seed)
+        rep = [self.prompts[i] for i in idx for _ in range(G)]
+        t0 = time.perf_counter()
+        ro = sample(
+            self.model,
+            rep,
+            self.max_new_tokens,
+            self.block_size,
+            self.tok.eos_token_id,
+            self.tok.mask_token_id,
+            rc.tau,
+            rc.temperature,
+            _generator(self.seed, step),
+        )
+        sample_s = time.perf_counter() - t0
+        scored = [
+            response_reward(row, self.labels[idx[j // G]], self.n, self.tok, rc.alpha)
+            for j, row in enumerate(ro.tokens.tolist())
+        ]
+        rewards = torch.tensor([r for r, _ in scored]).view(len(idx), G)
+        adv, keep = group_advantages(rewards)
+        rows = torch.nonzero(keep.repeat_interleave(G)).squeeze(-1)
+        if len(rows) == 0:
+            batch = rollout_batch(ro, self.tok.eos_token_id)
+        else:
+            batch = rollout_batch(ro, self.tok.eos_token_id, adv.flatten()[rows], rows)
+        batch.step = step
+        batch.stats = {
+            "reward": float(rewards.mean()),
+            "validity": float(np.mean([v for _, v in scored])),
+            "groups_kept": int(keep.sum()),
+            "groups": len(idx),
+            "response_tokens": float(batch.scored.sum(-1).float().mean()),
+            "nfe": ro.nfe,
+            "sample_s": round(sample_s, 3),
+        }
+        return batch
+
+
+class OPDBatches:
+    """batches_fn for OPD: G' student rollouts per prompt with the teacher's log-probs cached on them."""
+
+    def __init__(self, student, teacher, prompts, tokenizer, oc, block_size, max_new_tokens, seed):
+        self.student, self.teacher, self.prompts, self.tok = student, teacher, prompts, tokenizer
+        self.oc, self.block_size, self.max_new_tokens, self.seed = oc, block_size, max_new_tokens, seed
+
+    def __call__(self, step: int) -> RolloutBatch:
+        oc = self.oc
+        idx = prompts_for_step(len(self.prompts), oc.prompts_per_step, step, self.seed)
+        t0 = time.perf_counter()
+        batch = make_opd_batch(
+            self.student,
+            self.teacher,
+            [self.prompts[i] for i in idx],
+            oc.rollouts_per_prompt,
+            self.max_new_tokens,
+            self.block_size,
+            self.tok.mask_token_id,
+            self.tok.eos_token_id,
+            oc.tau,
+            oc.temperature,
+            _generator(self.seed, step),
+        )
+        batch.step = step
+        batch.stats["sample_s"] = round(time.perf_counter() - t0, 3)
+        batch.stats["response_tokens"] = float(batch.scored.sum(-1).float().mean())
+        return batch
+
+
+class LoggedLoss:
+    """loss_fn(model, batch, rng) around a (loss, stats) function; writes one rollout-log line per step."""
+
+    def __init__(self, fn, path: Path):
+        self.fn, self.path = fn, path
+
+    def __call__(self, model, batch: RolloutBatch, rng) -> torch.Tensor:
+        loss, stats = self.fn(getattr(model, "module", model), batch)
+        row = {"step": batch.step, "loss": float(loss.detach()), **batch.stats, **stats}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        return loss
+
+
+def _train_cfg(c, seed: int) -> TrainConfig:
+    return TrainConfig(
+        lr=c.lr,
+        max_steps=c.steps,
+        epochs=0.0,
+        warmup=0,
+        schedule="constant",
+        weight_decay=0.0,  # on-policy fine-tuning: stay close to the start, no decay toward zero
+        grad_clip=c.grad_clip,
+        checkpoint_every=c.checkpoint_every,
+        log_every=c.log_every,
+        seed=seed,
+    )
+
+
+def _run(model, batches_fn, fn, cfg: TrainConfig, out: Path) -> TrainResult:
+    """The shared loop, plus the rollout log truncated to the resumed step (as train.py does its own log)."""
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = latest_checkpoint(out)
+    start = int(ckpt.name.split("_")[1]) if ckpt is not None else 0
+    _truncate_log(out / ROLLOUT_LOG, start)
+    res = train(model, batches_fn, LoggedLoss(fn, out / ROLLOUT_LOG), cfg, out)
+    plot_curves(out)
+    return res
+
+
+def plot_curves(train_dir: str | Path) -> Path | None:
+    """curves.png: loss, and reward / validity (RL) or KL (OPD) per step from the rollout log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(train_dir) / ROLLOUT_LOG
+    if not path.exists():
+        return None
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    if not rows:
+        return None
+    keys = [k for k in ("loss", "reward", "validity", "kl_forward", "kl_reverse") if k in rows[0]]
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3))
+    steps = [r["step"] for r in rows]
+    for ax, k in zip(np.atleast_1d(axes), keys, strict=True):
+        ax.plot(steps, [r[k] for r in rows], lw=1)
+        ax.set_title(k)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    png = Path(train_dir) / "curves.png"
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+def _summary(res: TrainResult, out: Path) -> dict:
+    rows = [json.loads(x) for x in (out / ROLLOUT_LOG).read_text().splitlines() if x.strip()]
+    first, last = rows[: max(1, len(rows) // 5)], rows[-max(1, len(rows) // 5) :]
+    mean = lambda rs, k: float(np.mean([r[k] for r in rs])) if rs and k in rs[0] else None  # noqa: E731
+    keys = [k for k in ("reward", "validity", "kl_forward", "kl_reverse", "loss") if rows and k in rows[0]]
+    secs = [json.loads(x)["elapsed_s"] for x in (out / LOG_FILE).read_text().splitlines() if x.strip()]
+    return {
+        "steps": res.step,
+        **{f"{k}_first": mean(first, k) for k in keys},
+        **{f"{k}_last": mean(last, k) for k in keys},
+        "seconds_per_step": (secs[-1] / len(secs)) if secs else None,
+        "curves": str(out / "curves.png"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- stages
+def train_opd(
+    student_bundle: str | Path,
+    teacher_bundle: str | Path,
+    data: SFTData,
+    examples: pd.DataFrame,
+    profile: Profile,
+    out_dir: str | Path,
+    direction: str | None = None,
+) -> Path:
+    """OPD of a (CFT) diffusion student from the frozen AR teacher on training prompts. Returns the bundle.
+
+    `direction` overrides profile.opd.direction ("forward" | "reverse")."""
+    out = Path(out_dir)
+    oc = profile.opd
+    direction = direction or oc.direction
+    student, tok, sids, ev, cfg = load_bundle_parts(student_bundle)
+    teacher = load_bundle_parts(teacher_bundle)[0]
+    bs = int(student.config.gr2_block_size or 0)
+    if bs < 1:
+        raise ValueError(f"OPD needs a block-diffusion student; {student_bundle} has block_size {bs}")
+    if int(getattr(teacher.config, "gr2_block_size", 0) or 0) != 0:
+        raise ValueError(f"the OPD teacher must be an AR model; {teacher_bundle} is block diffusion")
+    if len(data.tokenizer) != len(tok):
+        raise ValueError("the SFT data and the student bundle have different vocabularies")
+    teacher.requires_grad_(False)
+    rr = GenerativeReranker(student, tok, sids, ev, cfg)
+    prompts, _ = train_prompts(rr, examples, oc.max_prompts, profile.seed)
+    batches = OPDBatches(student, teacher, prompts, tok, oc, bs, rr.max_new_tokens, profile.seed)
+    fn = partial(opd_loss, block_size=bs, mask_id=tok.mask_token_id, direction=direction)
+    res = _run(student, batches, lambda m, b: fn(m, b), _train_cfg(oc, profile.seed), out / "train")
+    meta = {
+        **cfg,
+        "name": "opd",
+        "stage": "opd",
+        "parent": str(student_bundle),
+        "teacher": str(teacher_bundle),
+        "direction": direction,
+        "train": _summary(res, out / "train"),
+    }
+    log.info("train_opd (%s): %s", direction, meta["train"])
+    return save_bundle(out / "bundle", student, tok, sids, ev, meta)
+
+
+def train_rl(
+    bundle: str | Path, data: SFTData, examples: pd.DataFrame, profile: Profile, out_dir: str | Path
+) -> Path:
+    """GRPO/DAPO on training prompts with the GR2 reward; the decoder follows the bundle (AR: profile.ar_rl,
+    GR2 stage 3; block diffusion: profile.rl, from the OPD checkpoint). Returns the bundle."""
+    out = Path(out_dir)
+    model, tok, sids, ev, cfg = load_bundle_parts(bundle)
+    bs = int(model.config.gr2_block_size or 0)
+    rc = profile.rl if bs > 0 else profile.ar_rl
+    if len(data.tokenizer) != len(tok):
+        raise ValueError("the SFT data and the bundle have different vocabularies")
+    rr = GenerativeReranker(model, tok, sids, ev, cfg)
+    prompts, labels = train_prompts(rr, examples, rc.max_prompts, profile.seed)
+    batches = RLBatches(model, prompts, labels, tok, rr.n_candidates, rc, bs, rr.max_new_tokens, profile.seed)
+    fn = partial(
+        grpo_loss,
+        block_size=bs,
+        mask_id=tok.mask_token_id,
+        temperature=rc.temperature,
+        clip_eps=rc.clip_eps,
+        clip_eps_high=rc.clip_eps_high,
+    )
+    res = _run(model, batches, lambda m, b: fn(m, b), _train_cfg(rc, profile.seed), out / "train")
+    meta = {
+        **cfg,
+        "name": "rl" if bs > 0 else "ar",
+        "stage": "rl" if bs > 0 else "sft+rl",
+        "parent": str(bundle),
+        "train": _summary(res, out / "train"),
+    }
+    log.info("train_rl (block_size %d): %s", bs, meta["train"])
+    return save_bundle(out / "bundle", model, tok, sids, ev, meta)
+
+
+# ---------------------------------------------------------------------------------------------- measures
+@torch.no_grad()
+def greedy_reward(
+    rr: GenerativeReranker,
+    prompts: list[list[int]],
+    labels: list[int],
+    decoder: str,
+    tau: float = 0.9,
+    alpha: float = 0.2,
+) -> dict:
+    """Mean GR2 reward, validity and recall@1 of the model's greedy (serving) decoding on given prompts."""
+    out = rr.decode(prompts, decoder, tau)
+    n = rr.n_candidates
+    res = [response_reward(r, y, n, rr.tokenizer, alpha) for r, y in zip(out.responses, labels, strict=True)]
+    top1 = [rr.read_answer(r, n)[0][0] == y for r, y in zip(out.responses, labels, strict=True)]
+    return {
+        "reward": float(np.mean([r for r, _ in res])),
+        "validity": float(np.mean([v for _, v in res])),
+        "recall@1": float(np.mean(top1)),
+    }
+
+
+@torch.no_grad()
+def opd_kl(
+    student: torch.nn.Module,
+    teacher: torch.nn.Module,
+    prompts: list[list[int]],
+    tokenizer,
+    max_new_tokens: int,
+    tau: float = 0.9,
+    rollouts_per_prompt: int = 1,
+    seed: int = 0,
+    batch_size: int = 32,
+) -> dict:
+    """Mean per-token KL (both directions) between the replayed student and the teacher on student rollouts."""
+    bs = int(student.config.gr2_block_size)
+    out: dict[str, list[float]] = {"forward": [], "reverse": []}
+    gen = torch.Generator().manual_seed(seed)
+    for b0 in range(0, len(prompts), batch_size):
+        batch = make_opd_batch(
+            student,
+            teacher,
+            prompts[b0 : b0 + batch_size],
+            rollouts_per_prompt,
+            max_new_tokens,
+            bs,
+            tokenizer.mask_token_id,
+            tokenizer.eos_token_id,
+            tau,
+            1.0,
+            gen,
+        )
+        slp = policy_logits(student, batch, bs, tokenizer.mask_token_id).float().log_softmax(-1)
+        for d in out:
+            kl = kl_per_token(slp, batch.teacher_logprobs, d)
+            out[d].append(float(sequence_mean(kl, batch.scored)) * batch.input_ids.shape[0])
+    n = len(prompts) * rollouts_per_prompt
+    return {f"kl_{d}": sum(v) / n for d, v in out.items()}

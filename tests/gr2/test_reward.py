@@ -1,0 +1,66 @@
+"""The GR2 reward on hand-made lists, including the reward-hacking case (copying the retriever order)."""
+
+import pytest
+
+from gr2.prompt import render_response
+from gr2.reward import INVALID_REWARD, rank_reward, response_reward
+from gr2.tokenizer import build_tokenizer
+
+N = 10
+IDENTITY = list(range(N))
+
+
+def test_promotion_earns_rank_and_format():
+    # target at retriever position 3 moved to the top: R_rank = 3/10, plus the format bonus 0.2
+    ranking = [3, 0, 1, 2, 4, 5, 6, 7, 8, 9]
+    assert rank_reward(ranking, 3, N) == pytest.approx(0.3 + 0.2)
+    # moved from 7 to 5: R_rank = 2/10
+    assert rank_reward([0, 1, 2, 3, 4, 7, 5, 6, 8, 9], 7, N) == pytest.approx(0.2 + 0.2)
+
+
+def test_copying_the_input_order_earns_no_format_bonus():
+    # the hacking case: the target was at position 4, the policy re-emits the retriever order
+    assert rank_reward(IDENTITY, 4, N) == 0.0
+    # an unconditional bonus would have paid alpha for it; the conditional one pays nothing
+    assert rank_reward(IDENTITY, 4, N, alpha=0.5) == 0.0
+
+
+def test_already_first_keeps_the_bonus():
+    assert rank_reward(IDENTITY, 0, N) == pytest.approx(0.2)
+    # demoting an item that was first: R_rank < 0, bonus still paid (rank_pre(x*) = 1 in GR2's rule)
+    assert rank_reward([1, 0, 2, 3, 4, 5, 6, 7, 8, 9], 0, N) == pytest.approx(-0.1 + 0.2)
+
+
+def test_demotion_is_negative_without_bonus():
+    assert rank_reward([0, 1, 2, 3, 4, 5, 6, 7, 8, 9][::-1], 2, N) == pytest.approx((2 - 7) / 10)
+
+
+def test_invalid_is_minus_one():
+    assert rank_reward(None, 3, N) == INVALID_REWARD == -1.0
+    with pytest.raises(ValueError):
+        rank_reward(IDENTITY, 10, N)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer([4, 4, 4, 4], ["transition", "popularity"])
+
+
+def _ids(tok, text, eos=True):
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return ids + [tok.eos_token_id] if eos else ids
+
+
+def test_response_reward_parses_tokens(tok):
+    text = render_response("step 1 : [C] follows last item", [2, 0, 1, 3, 4, 5, 6, 7, 8, 9])
+    r, valid = response_reward(_ids(tok, text), 2, N, tok)
+    assert valid and r == pytest.approx(0.2 + 0.2)
+    # the same answer copied from the input order while the target sat at 2: no bonus, R = 0
+    r, valid = response_reward(_ids(tok, render_response(None, IDENTITY)), 2, N, tok)
+    assert valid and r == 0.0
+    # duplicates / omissions are invalid: -1
+    r, valid = response_reward(_ids(tok, render_response(None, [0, 0, 1, 2, 3, 4, 5, 6, 7, 8])), 2, N, tok)
+    assert not valid and r == -1.0
+    # no eos (ran out of tokens): overflow is invalid even if the JSON is complete
+    r, valid = response_reward(_ids(tok, render_response(None, IDENTITY), eos=False), 0, N, tok)
+    assert not valid and r == -1.0

@@ -11,5 +11,6 @@ def feast_apply(sources: Input[Dataset], feature_store: Output[Artifact], fs_yam
     """Registry + online store in the `feature_store` folder (or the environment yaml `fs_yaml`)."""
     from components._lib import steps
 
-    info = steps.feast_apply(sources.path, feature_store.path, fs_yaml)
+    # With an environment yaml the offline store (Spark) reads the artifact where it lives (its URI).
+    info = steps.feast_apply(sources.path, feature_store.path, fs_yaml, sources.uri if fs_yaml else "")
     feature_store.metadata.update(info)

@@ -62,9 +62,13 @@ def parquet_fields(path: str, skip: set[str]) -> list[Field]:
     return out
 
 
-def build_views(data_dir: str = DATA_DIR) -> tuple[FeatureView, FeatureView]:
-    """The two feature views reading `<data_dir>/{user_history,item_features}.parquet`."""
-    item_path = f"{data_dir.rstrip('/')}/item_features.parquet"
+def build_views(data_dir: str = DATA_DIR, fields_from: str | None = None) -> tuple[FeatureView, FeatureView]:
+    """The two feature views reading `<data_dir>/{user_history,item_features}.parquet`.
+
+    `fields_from`: a local folder with the same parquet to read the item columns from when `data_dir` is
+    remote (s3://...); by default `data_dir` itself.
+    """
+    item_path = f"{(fields_from or data_dir).rstrip('/')}/item_features.parquet"
     item_fields = ITEM_CORE_FIELDS
     if os.path.exists(item_path):  # local: declare every evidence column the ingest step wrote
         core = {"item_id", TIMESTAMP, *(f.name for f in ITEM_CORE_FIELDS)}

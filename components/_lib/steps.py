@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from components._lib import sources
+from components._lib.paths import REPO_ROOT
 from gr2.config import Profile, load_profile
 from gr2.data.dataset import Dataset, load_dataset, resolve_dataset
 
@@ -49,7 +50,7 @@ def ingest(
     profile: str | Profile = "quick",
     snapshot_date: str = "",
     max_users: int = 0,
-    cache_dir: str | Path = ".cache",
+    cache_dir: str | Path = REPO_ROOT / ".cache",
 ) -> dict[str, Any]:
     """Load a dataset (name or path), compute event times and write the sources folder."""
     t0 = time.perf_counter()
@@ -60,12 +61,17 @@ def ingest(
     return meta
 
 
-def feast_apply(sources_dir: str | Path, store_dir: str | Path, fs_yaml: str = "") -> dict[str, Any]:
-    """Apply the feature repo for this sources folder and materialize it to the online store."""
+def feast_apply(
+    sources_dir: str | Path, store_dir: str | Path, fs_yaml: str = "", source_uri: str = ""
+) -> dict[str, Any]:
+    """Apply the feature repo for this sources folder and materialize it to the online store.
+
+    With an environment yaml (`fs_yaml`), `source_uri` is where its offline store reads the sources.
+    """
     from components._lib import feast_io
 
     t0 = time.perf_counter()
-    info = feast_io.apply_and_materialize(sources_dir, store_dir, fs_yaml or None)
+    info = feast_io.apply_and_materialize(sources_dir, store_dir, fs_yaml or None, source_uri)
     info["seconds"] = round(time.perf_counter() - t0, 2)
     return info
 

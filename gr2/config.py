@@ -102,7 +102,9 @@ class GateConfig:
 @dataclass(frozen=True)
 class SIDConfig:
     n_levels: int = 3  # residual k-means (RQ) levels; a 4th de-dup level is appended (TIGER)
-    codebook_size: int = 0  # K per level; 0 = derive from catalog size (pow2 >= 2 sqrt(n_items), in [16, max])
+    codebook_size: int = (
+        0  # K per level; 0 = derive from catalog size (pow2 >= 2 sqrt(n_items), in [16, max])
+    )
     max_codebook_size: int = 256  # TIGER: 3 x 256 for Beauty's 12k items
     kmeans_iters: int = 20
     unique_last_level: bool = True  # collision-aware level 3: distinct codes inside each shared 2-code prefix

@@ -7,7 +7,6 @@ all call these. Each takes paths and small parameters, writes its outputs and re
 from __future__ import annotations
 
 import json
-import logging
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,8 +18,6 @@ from components._lib import sources
 from components._lib.paths import REPO_ROOT
 from gr2.config import Profile, load_profile
 from gr2.data.dataset import Dataset, load_dataset, resolve_dataset
-
-log = logging.getLogger("gr2.steps")
 
 
 def _profile(profile: str | Profile) -> Profile:

@@ -1,0 +1,148 @@
+"""The generative stages end to end on a small real slice: prepare -> AR SFT -> convert -> CFT -> evaluate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gr2.candidates import attach_candidates
+from gr2.config import load_profile
+from gr2.data import load_dataset
+from gr2.data.dataset import data_root
+from gr2.data.split import build_targets, train_sequences
+from gr2.generative import GenerativeReranker
+from gr2.inference import RankRequest, load_reranker
+from gr2.retriever import CoocRetriever
+from gr2.stages.evaluate import evaluate_generative
+from gr2.stages.prepare import SFTData, prepare_sft
+from gr2.stages.train_stages import convert, train_ar_teacher, train_cft
+
+OVERRIDES = {
+    "sid.content_weight": 0.0,  # content-free SIDs keep this fast (the title model is tested in test_sid.py)
+    "sid.kmeans_iters": 5,
+    "model": {"d_model": 32, "n_layer": 1, "n_head": 2, "d_ff": 64, "max_len": 320},
+    "sft": {
+        "lr": 0.01,
+        "batch_size": 16,
+        "max_steps": 25,
+        "warmup": 2,
+        "checkpoint_every": 10,
+        "log_every": 5,
+    },
+    "cft": {"lr": 0.01, "batch_size": 16, "max_steps": 6, "warmup": 1, "checkpoint_every": 3, "log_every": 3},
+    "diffusion": {"block_size": 4, "taus": [1.0, 0.5], "eval_tau": 0.5},
+    "eval": {
+        "batch_size": 16,
+        "speed_examples": 2,
+        "speed_batch": 4,
+        "speed_batch_examples": 4,
+        "threads": 1,
+    },
+    "bootstrap_samples": 50,
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("gen")
+    ds = load_dataset(data_root() / "ml-latest-small")
+    users = ds.interactions["user_id"].drop_duplicates().iloc[:60]
+    ds.interactions = ds.interactions[ds.interactions["user_id"].isin(users)].reset_index(drop=True)
+    ds.items = ds.items[ds.items["item_id"].isin(ds.interactions["item_id"])].reset_index(drop=True)
+    prof = load_profile("quick", OVERRIDES)
+    seqs = train_sequences(ds)
+    ret = CoocRetriever(prof.retriever).fit(seqs, ds.items["item_id"].tolist())
+    examples, _ = attach_candidates(build_targets(ds, prof.data.history_len), ret, prof.data.n_candidates)
+    data = prepare_sft(examples, ds, prof)
+    data.save(root / "sft")
+    ar = train_ar_teacher(SFTData.load(root / "sft"), prof, root / "ar")
+    naive = convert(ar, prof.diffusion.block_size, root / "naive")
+    cft = train_cft(naive, data, prof, root / "cft")
+    return {
+        "prof": prof,
+        "examples": examples,
+        "data": data,
+        "ar": ar,
+        "naive": naive,
+        "cft": cft,
+        "root": root,
+    }
+
+
+def test_prepare_builds_parseable_records(pipeline):
+    data = pipeline["data"]
+    assert data.stats["records_trace"]["n_kept"] == len(data.records["trace"]) > 50
+    assert data.evidence.bucket_edges is not None
+    # Same kept lists for both variants; the no-trace responses are strictly shorter.
+    assert len(data.records["trace"]) == len(data.records["ar_no_trace"])
+    assert all(
+        len(a[1]) > len(b[1]) for a, b in zip(data.records["trace"], data.records["ar_no_trace"], strict=True)
+    )
+
+
+def test_sft_loss_falls_and_bundle_serves(pipeline):
+    log = [
+        json.loads(x)
+        for x in (pipeline["root"] / "ar" / "train" / "train_log.jsonl").read_text().splitlines()
+    ]
+    assert len(log) == 25 and log[-1]["loss"] < log[0]["loss"] - 0.5
+    model = load_reranker(pipeline["ar"])
+    assert isinstance(model, GenerativeReranker) and model.block_size == 0
+    test = pipeline["examples"].query("split == 'test'").head(3)
+    reqs = [
+        RankRequest(u, list(c), list(h))
+        for u, c, h in zip(test.user_id, test.candidates, test.history, strict=True)
+    ]
+    res = model.rank(reqs, decoder="ar")
+    for req, r in zip(reqs, res, strict=True):
+        assert sorted(r.ranking) == sorted(req.candidates)  # a permutation, valid or fallen back
+        assert r.valid == (r.reason is None) and 0 < r.n_tokens <= model.max_new_tokens
+        if not r.valid:
+            assert r.ranking == req.candidates  # invalid output falls back to the upstream order
+    with pytest.raises(ValueError, match="AR model"):
+        model.rank(reqs, decoder="diffusion")
+
+
+def test_naive_conversion_copies_weights(pipeline):
+    ar, naive = load_reranker(pipeline["ar"]), load_reranker(pipeline["naive"])
+    assert naive.block_size == pipeline["prof"].diffusion.block_size
+    sa, sn = ar.model.state_dict(), naive.model.state_dict()
+    assert sa.keys() == sn.keys() and all(torch.equal(sa[k], sn[k]) for k in sa)
+
+
+def test_cft_changes_weights_and_keeps_block_size(pipeline):
+    naive, cft = load_reranker(pipeline["naive"]), load_reranker(pipeline["cft"])
+    assert cft.block_size == naive.block_size
+    assert any(
+        not torch.equal(a, b) for a, b in zip(naive.model.parameters(), cft.model.parameters(), strict=True)
+    )
+
+
+def test_evaluate_rows_and_speed(pipeline):
+    prof = pipeline["prof"]
+    test = pipeline["examples"].query("split == 'test'").reset_index(drop=True)
+    rows, speed = evaluate_generative(
+        {"ar": pipeline["ar"], "naive": pipeline["naive"], "cft": pipeline["cft"]}, test, prof
+    )
+    assert [(r["model"], r["tau"]) for r in rows] == [
+        ("ar", None),
+        ("naive", 0.5),
+        ("cft", 1.0),
+        ("cft", 0.5),
+    ]
+    for r in rows:
+        assert 0.0 <= r["validity"] <= 1.0 and r["n_users"] == test["user_id"].nunique()
+        assert sum(r["invalid_reasons"].values()) == round((1 - r["validity"]) * len(test))
+        assert r["ci95"]["recall@1"][0] <= r["recall@1"] <= r["ci95"]["recall@1"][1]
+    # Speed: AR then CFT at every tau, at batch 1 and at the serving batch; AR is its own baseline.
+    assert [(s["model"], s["tau"], s["batch"]) for s in speed] == [
+        (m, t, b) for b in (1, 4) for m, t in (("ar", None), ("cft", 1.0), ("cft", 0.5))
+    ]
+    for s in speed:
+        assert s["tokens_per_s"] > 0 and s["nfe_per_seq"] >= 1
+        if s["model"] == "ar":
+            assert s["speedup_vs_ar"] == 1.0 and s["tokens_per_forward"] == pytest.approx(1.0, abs=0.02)
+    assert rows[0]["speedup_vs_ar"] == 1.0 and rows[2]["nfe_per_seq"] == speed[1]["nfe_per_seq"]

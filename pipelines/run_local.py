@@ -75,20 +75,17 @@ def run_local(
         report["command"] = command or " ".join(shlex.quote(a) for a in sys.argv)
         report["run_id"] = run_id
         report["pipeline_seconds"] = round(seconds, 1)
-        (run_dir / "report.json").write_text(json.dumps(report, indent=2))
-        md = report_json.with_name("report.md").read_text()
-        md += f"\nRun `{run_id}`, pipeline {seconds:.0f} s, command `{report['command']}`.\n"
-        (run_dir / "report.md").write_text(md)
+        from gr2.report import write_report
+
+        write_report(run_dir, report)  # runs/<id>/report.json + .md, and runs/latest -> <id>
+        with open(run_dir / "report.md", "a") as f:
+            f.write(f"\nRun `{run_id}`, pipeline {seconds:.0f} s, command `{report['command']}`.\n")
         out["report"] = report
         if benchmark_dir:
             bench = Path(benchmark_dir)
             bench.mkdir(parents=True, exist_ok=True)
             shutil.copy(run_dir / "report.json", bench / f"{label}.json")
             shutil.copy(run_dir / "report.md", bench / f"{label}.md")
-    latest = Path(runs_dir).resolve() / "latest"
-    if latest.is_symlink() or latest.exists():
-        latest.unlink()
-    latest.symlink_to(run_id)
     return out
 
 

@@ -1,36 +1,30 @@
 """Run report I/O for the pipeline steps: report.json + report.md (docs/CONTRACTS.md "Report row").
 
-Uses gr2.report.write_report when it exists (the core's one implementation); the fallback below writes the
-same fields so the pipeline runs while the core module is absent.
+The fields and the Markdown come from gr2.report (git_sha, machine_info, render_markdown); this module only
+writes them into a step's output folder (gr2.report.write_report also moves runs/latest, which belongs to
+the run folder, see pipelines/run_local.py) and prints the rows as a console table.
 """
 
 from __future__ import annotations
 
 import json
-import platform
-import subprocess
 from pathlib import Path
 from typing import Any
 
-from components._lib.paths import REPO_ROOT
-
-METRICS = ("recall@1", "recall@3", "recall@5", "ndcg@3", "ndcg@5")
+from gr2.metrics import METRICS
 
 
-def git_sha() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
+    """Add git_sha / machine, then write report.json and report.md into `out_dir`."""
+    from gr2.report import _json_default, git_sha, machine_info, render_markdown
 
-
-def machine() -> str:
-    import os
-
-    return f"{platform.machine()} {os.cpu_count()} cpu, {platform.system()} {platform.release()}, python {platform.python_version()}"
+    report.setdefault("git_sha", git_sha())
+    report.setdefault("machine", machine_info())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
+    (out / "report.md").write_text(render_markdown(report))
+    return out
 
 
 def table_markdown(report: dict[str, Any]) -> str:
@@ -42,37 +36,8 @@ def table_markdown(report: dict[str, Any]) -> str:
         d = r["delta_vs_floor"]["recall@1"]
         dm = r.get("delta_vs_floor_mean", {}).get("recall@1", float("nan"))
         lines.append(
-            f"| {r['model']} | " + " | ".join(cells) + f" | {dm:+.4f} [{d[0]:+.3f}, {d[1]:+.3f}] | "
-            f"{r['validity']:.3f} | {r['n_users']} |"
+            f"| {r['model']} | "
+            + " | ".join(cells)
+            + f" | {dm:+.4f} [{d[0]:+.3f}, {d[1]:+.3f}] | {r['validity']:.3f} | {r['n_users']} |"
         )
     return "\n".join(lines)
-
-
-def to_markdown(report: dict[str, Any]) -> str:
-    ret = report["retriever"]
-    gate = report["gate"]
-    out = [
-        f"# Diffusion-GR2 report: {report['dataset']} ({report['profile']} profile)",
-        "",
-        f"git {report['git_sha']} · {report['machine']}",
-        "",
-        f"Retriever `{ret['name']}`: hit rate {ret['hit_rate']:.4f} "
-        f"({ret['n_test_examples']} test examples re-ranked).",
-        "",
-        table_markdown(report),
-        "",
-        f"Gate: {'PASSED' if gate['passed'] else 'NOT PASSED'}"
-        + "".join(f"\n- {r}" for r in gate["reasons"]),
-    ]
-    return "\n".join(out) + "\n"
-
-
-def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
-    """Add git_sha / machine, then write report.json and report.md into `out_dir`."""
-    report.setdefault("git_sha", git_sha())
-    report.setdefault("machine", machine())
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=float))
-    (out / "report.md").write_text(to_markdown(report))
-    return out

@@ -105,6 +105,7 @@ def prepare_sft(
         records[variant] = build_sft_records_from_arrays(
             train, x_train, b_train, FEATURE_NAMES, sids, teacher, tokenizer, profile, seed, variant, st
         )
+        st.pop("kept_rows", None)  # one index per record: too long for logs and stats.json
         stats[f"records_{variant}"] = st
     stats["seconds"] = round(time.perf_counter() - t0, 1)
     log.info("prepare_sft: %s", {k: v for k, v in stats.items() if k != "sid"})

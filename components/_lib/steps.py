@@ -214,7 +214,8 @@ def evaluate(
         (sources.read_dataset(sources_dir).interactions.groupby("user_id").size() >= 2).sum()
     )
     report = {
-        "dataset": dataset or meta["dataset"],
+        "dataset": meta["dataset"],  # the folder name (ml-100k, amazon_beauty), not the path given
+        "dataset_arg": dataset,
         "profile": prof.name,
         "snapshot_date": meta.get("snapshot_date", ""),
         "rows": rows,

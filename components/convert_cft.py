@@ -10,14 +10,15 @@ from components._image import COMPONENT_KWARGS
 def convert_cft(
     ar_model: Input[Model],
     sft_data: Input[Artifact],
+    naive_model: Output[Model],
     model: Output[Model],
     metrics: Output[Metrics],
     profile: str,
 ):
-    """model/naive = the converted AR weights (no training); model/cft/bundle = after conversion fine-tuning."""
+    """naive_model = the converted AR weights (no training); model = after conversion fine-tuning (model/bundle)."""
     from components._lib import model_steps
 
-    info = model_steps.convert_cft(ar_model.path, sft_data.path, model.path, profile)
+    info = model_steps.convert_cft(ar_model.path, sft_data.path, naive_model.path, model.path, profile)
     for k in ("final_loss", "tokens_per_s", "steps"):
         if info.get(k) is not None:
             metrics.log_metric(f"cft/{k}", info[k])

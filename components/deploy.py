@@ -37,14 +37,14 @@ def deploy(
 
     import components
     from components.artifact_store import open_store
-    from gr2.gate import read_report
+    from gr2.gate import find_row, read_report
     from serving.rollout import rollout
 
     dec = json.loads((Path(decision.path) / "decision.json").read_text())
     if not dec["passed"]:
         raise RuntimeError("deploy called for a model that did not pass the gate")
     report = read_report(decision.path)
-    row = next(r for r in report["rows"] if r["model"] == dec["candidate"])
+    row = find_row(report["rows"], dec["candidate"])
     record = {
         "model": dec["candidate"],
         "run_id": run_id,
@@ -62,8 +62,19 @@ def deploy(
     smoke = json.loads(smoke_instance_json) if smoke_instance_json else {}
     if not smoke and not dry_run:  # the canary must be asked something it can answer
         raise ValueError("smoke_instance_json is required unless dry_run: one {user_id, candidates} instance")
+    from gr2.generative import bundle_dir
+
     p = rollout(
-        model.path, run_id, stage, record, store, overlay_path, plan.path, smoke, canary_percent, dry_run
+        str(bundle_dir(model.path)),
+        run_id,
+        stage,
+        record,
+        store,
+        overlay_path,
+        plan.path,
+        smoke,
+        canary_percent,
+        dry_run,
     )
     plan.metadata["outcome"] = p.outcome
     return namedtuple("DeployOutputs", ["outcome", "storage_uri"])(p.outcome, p.storage_uri)

@@ -12,7 +12,8 @@ def evaluate_models(
     floor_report: Input[Artifact],
     ar_model: Input[Model],
     ar_no_trace_model: Input[Model],
-    diffusion_model: Input[Model],
+    naive_model: Input[Model],
+    cft_model: Input[Model],
     report: Output[Artifact],
     summary: Output[Markdown],
     metrics: Output[Metrics],
@@ -25,12 +26,11 @@ def evaluate_models(
 
     from components._lib import model_steps
 
-    d = Path(diffusion_model.path)
     bundles = {
         "ar": ar_model.path,
         "ar_no_trace": ar_no_trace_model.path,
-        "naive": d / "naive",
-        "cft": d / "cft",
+        "naive": naive_model.path,
+        "cft": cft_model.path,
     }
     rep = model_steps.evaluate(examples.path, floor_report.path, bundles, report.path, profile)
     # A self-contained Markdown for the UI: plots inlined as data URIs.

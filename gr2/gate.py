@@ -40,8 +40,10 @@ class GateDecision:
         return {"passed": self.passed, "reasons": list(self.reasons), "checks": dict(self.checks)}
 
 
-def _row(rows: Sequence[Mapping[str, Any]], model: str) -> Mapping[str, Any] | None:
-    matches = [r for r in rows if r.get("model") == model]
+def find_row(rows: Sequence[Mapping[str, Any]], model: str) -> Mapping[str, Any] | None:
+    """The row of `model`; "name@tau" selects one decoding threshold of a model evaluated at several."""
+    name, _, tau = model.partition("@")
+    matches = [r for r in rows if r.get("model") == name and (not tau or r.get("tau") == float(tau))]
     return matches[0] if matches else None
 
 
@@ -74,7 +76,7 @@ def decide(
     ok, detail = _validation_passed(data_validation)
     record("data", ok, f"data validation {'passed' if ok else 'failed'}{detail}")
 
-    row = _row(rows, candidate)
+    row = find_row(rows, candidate)
     if row is None:
         record(
             "candidate",
@@ -84,7 +86,7 @@ def decide(
         return GateDecision(passed=False, reasons=reasons, checks=checks)
     cand = float(row[METRIC])
 
-    floor = _row(rows, FLOOR_MODEL)
+    floor = find_row(rows, FLOOR_MODEL)
     if floor is None:
         record(
             "floor", False if cfg.require_beats_floor else None, f"no {FLOOR_MODEL!r} row to compare against"
@@ -104,7 +106,7 @@ def decide(
             text += " (not required by config)"
         record("floor", beats or (None if not cfg.require_beats_floor else False), text)
 
-    ar = _row(rows, AR_MODEL)
+    ar = find_row(rows, AR_MODEL)
     if ar is None:
         record("ar_gap", None, f"no {AR_MODEL!r} row in the report")
     else:

@@ -196,6 +196,12 @@ def save_bundle(
     return out
 
 
+def bundle_dir(path: str | Path) -> Path:
+    """A training stage's output folder keeps its bundle in bundle/ (logs and checkpoints beside it)."""
+    p = Path(path)
+    return p / "bundle" if (p / "bundle" / CONFIG_FILE).exists() else p
+
+
 def load_bundle_parts(path: str | Path) -> tuple[torch.nn.Module, Any, SemanticIds, Evidence, dict]:
     path = Path(path)
     cfg = json.loads((path / CONFIG_FILE).read_text())

@@ -124,6 +124,19 @@ def render_markdown(report: dict, plots: list[str] | None = None) -> str:
         cells += [_fmt(row.get("validity"), 3), str(row.get("n_users", "")), _fmt(row.get("nfe_per_seq"), 2)]
         cells += [_fmt(row.get("speedup_vs_ar"), 2)]
         out += ["| " + " | ".join(cells) + " |"]
+    speed = report.get("speed") or []
+    if speed:
+        out += ["", "## Decode speed (measured side by side in one process)", ""]
+        out += [
+            "| model | tau | batch | tokens/s | nfe/seq | tokens/forward | speedup vs AR | ideal speedup |"
+        ]
+        out += ["|---|---|---|---|---|---|---|---|"]
+        for s in speed:
+            out += [
+                f"| {s['model']} | {_fmt(s.get('tau'), 2)} | {s['batch']} | {s['tokens_per_s']:.1f} | "
+                f"{s['nfe_per_seq']:.1f} | {s['tokens_per_forward']:.2f} | {s['speedup_vs_ar']:.2f} | "
+                f"{s['ideal_speedup']:.2f} |"
+            ]
     gate = report.get("gate")
     if gate is not None:
         out += ["", f"**Gate: {'PASSED' if gate.get('passed') else 'FAILED'}**"]

@@ -12,20 +12,61 @@ Later stages (train_ar_teacher, convert_cft, distill_on_policy, rl, evaluate, ga
 from kfp import dsl
 
 from components.candidates import candidates
+from components.convert_cft import convert_cft
+from components.deploy import deploy
 from components.evaluate_floor import evaluate_floor
+from components.evaluate_models import evaluate_models
 from components.extract import extract
 from components.feast_apply import feast_apply
+from components.gate import gate
 from components.ingest import ingest
+from components.prepare_sft import prepare_sft
+from components.train_ar_teacher import train_ar_teacher
 from components.validate import validate
+from pipelines.resources import cpu_task, gpu_task
 
 PIPELINE_NAME = "gr2-retraining"
 
 
-def _model_stages(sources, examples, profile, dataset) -> None:
-    """Model stages that run only on validated examples. First version: the floor / popularity / ltr table."""
-    evaluate_floor(sources=sources, examples=examples, profile=profile, dataset=dataset).set_display_name(
-        "evaluate-floor"
+def _model_stages(sources, examples, profile, dataset, candidate, canary_percent) -> None:
+    """Model stages on validated examples: floor/ltr table, AR teacher (+ no-trace ablation), conversion + CFT,
+    the stage table with speed, the gate, and (only if the gate passes) the canary deployment."""
+    floor = cpu_task(evaluate_floor(sources=sources, examples=examples, profile=profile, dataset=dataset))
+    floor.set_display_name("evaluate-floor")
+    sft = cpu_task(prepare_sft(sources=sources, examples=examples, profile=profile))
+    ar = gpu_task(train_ar_teacher(sft_data=sft.outputs["sft_data"], profile=profile, variant="trace"))
+    ar.set_display_name("train-ar-teacher")
+    ar_nt = gpu_task(
+        train_ar_teacher(sft_data=sft.outputs["sft_data"], profile=profile, variant="ar_no_trace")
     )
+    ar_nt.set_display_name("train-ar-no-trace")
+    cft = gpu_task(
+        convert_cft(ar_model=ar.outputs["model"], sft_data=sft.outputs["sft_data"], profile=profile)
+    )
+    ev = gpu_task(
+        evaluate_models(
+            examples=examples,
+            floor_report=floor.outputs["report"],
+            ar_model=ar.outputs["model"],
+            ar_no_trace_model=ar_nt.outputs["model"],
+            naive_model=cft.outputs["naive_model"],
+            cft_model=cft.outputs["model"],
+            profile=profile,
+        )
+    )
+    g = cpu_task(
+        gate(report=ev.outputs["report"], candidate=candidate, data_validation_passed=True, profile=profile)
+    )
+    with dsl.If(g.outputs["Output"] == True, name="gate-passed"):  # noqa: E712 (a KFP condition, not a bool)
+        cpu_task(
+            deploy(
+                model=cft.outputs["model"],
+                decision=g.outputs["decision"],
+                run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                stage="cft",
+                canary_percent=canary_percent,
+            )
+        )
 
 
 @dsl.pipeline(
@@ -39,6 +80,8 @@ def gr2_pipeline(
     max_users: int = 0,
     fs_yaml: str = "",
     bounds_json: str = "{}",
+    candidate: str = "cft@0.9",
+    canary_percent: int = 10,
 ):
     """`snapshot_date` is part of every cache key: a nightly run with a new date never reuses old data.
 
@@ -66,7 +109,9 @@ def gr2_pipeline(
             bounds_json=bounds_json,
         ).set_display_name("validate-examples")
         with dsl.If(ve.outputs["Output"] == True, name="examples-valid"):  # noqa: E712
-            _model_stages(ing.outputs["sources"], cand.outputs["examples"], profile, dataset)
+            _model_stages(
+                ing.outputs["sources"], cand.outputs["examples"], profile, dataset, candidate, canary_percent
+            )
 
 
 def compile_pipeline(output: str) -> str:

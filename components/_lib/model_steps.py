@@ -18,6 +18,7 @@ from typing import Any
 from components._lib import sources
 from components._lib.steps import _profile, load_evidence
 from gr2.config import Profile
+from gr2.generative import bundle_dir
 
 log = logging.getLogger("gr2.steps")
 
@@ -52,22 +53,21 @@ def train_ar(
     return bundle_meta(bundle)["train"]
 
 
-def convert_cft(ar_dir: str | Path, sft_dir: str | Path, out_dir: str | Path, profile: str | Profile) -> dict:
-    """Naive conversion (out_dir/naive) then CFT (out_dir/cft/bundle)."""
+def convert_cft(
+    ar_dir: str | Path,
+    sft_dir: str | Path,
+    naive_dir: str | Path,
+    cft_dir: str | Path,
+    profile: str | Profile,
+) -> dict:
+    """Naive conversion (naive_dir: a bundle, no training) then CFT (cft_dir/bundle, logs in cft_dir/train)."""
     from gr2.stages.prepare import SFTData
     from gr2.stages.train_stages import bundle_meta, convert, train_cft
 
     prof = _profile(profile)
-    out = Path(out_dir)
-    naive = convert(_bundle(ar_dir), prof.diffusion.block_size, out / "naive")
-    cft = train_cft(naive, SFTData.load(sft_dir), prof, out / "cft")
+    naive = convert(bundle_dir(ar_dir), prof.diffusion.block_size, naive_dir)
+    cft = train_cft(naive, SFTData.load(sft_dir), prof, cft_dir)
     return bundle_meta(cft)["train"]
-
-
-def _bundle(stage_dir: str | Path) -> Path:
-    """A stage's output folder holds its bundle under bundle/ (or is the bundle itself)."""
-    p = Path(stage_dir)
-    return p / "bundle" if (p / "bundle" / "reranker.json").exists() else p
 
 
 def evaluate(
@@ -89,7 +89,7 @@ def evaluate(
     if prof.data.max_eval_examples:
         test = test.head(prof.data.max_eval_examples)
     report = json.loads((Path(floor_report_dir) / "report.json").read_text())
-    paths = {name: _bundle(p) for name, p in bundles.items() if p}
+    paths = {name: bundle_dir(p) for name, p in bundles.items() if p}
     rows, speed = evaluate_generative(paths, test, prof)
     report["rows"] = report["rows"] + rows
     report["speed"] = speed

@@ -35,8 +35,9 @@ def table_markdown(report: dict[str, Any]) -> str:
         cells = [f"{r[m]:.4f} [{r['ci95'][m][0]:.3f}, {r['ci95'][m][1]:.3f}]" for m in METRICS]
         d = r["delta_vs_floor"]["recall@1"]
         dm = r.get("delta_vs_floor_mean", {}).get("recall@1", float("nan"))
+        name = r["model"] + (f" (tau {r['tau']})" if r.get("tau") is not None else "")
         lines.append(
-            f"| {r['model']} | "
+            f"| {name} | "
             + " | ".join(cells)
             + f" | {dm:+.4f} [{d[0]:+.3f}, {d[1]:+.3f}] | {r['validity']:.3f} | {r['n_users']} |"
         )

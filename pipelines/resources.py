@@ -1,0 +1,38 @@
+"""Kubernetes settings of pipeline tasks, in one place (kfp.local ignores them; the cluster honours them).
+
+GPU steps (training, decoding) land on the GPU node pool: accelerator limit, node selector, the nvidia.com/gpu
+toleration, resource requests and retries with backoff. Every task gets the artifact-store credentials from a
+Kubernetes Secret as environment variables (never from pipeline parameters)."""
+
+import os
+
+from kfp import kubernetes
+
+GPU_POOL_LABEL = os.environ.get("GR2_GPU_POOL_LABEL", "gr2.dev/pool")
+GPU_POOL_VALUE = os.environ.get("GR2_GPU_POOL_VALUE", "gpu")
+GPU_TYPE = os.environ.get("GR2_GPU_TYPE", "nvidia.com/gpu")
+S3_SECRET = os.environ.get("GR2_S3_SECRET", "gr2-s3-credentials")
+S3_SECRET_KEYS = {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"}
+
+
+def _common(task):
+    kubernetes.use_secret_as_env(task, secret_name=S3_SECRET, secret_key_to_env=S3_SECRET_KEYS)
+    return task
+
+
+def cpu_task(task, cpu: str = "2", memory: str = "8G"):
+    """A CPU step: requests, one retry, S3 credentials."""
+    task.set_cpu_request(cpu).set_memory_request(memory).set_retry(1, backoff_duration="30s")
+    return _common(task)
+
+
+def gpu_task(task, gpus: int = 1, cpu: str = "8", memory: str = "32G"):
+    """A GPU step on the GPU pool: accelerator, node selector, toleration, requests, retries with backoff.
+
+    Training stages resume from their last checkpoint, so a retry after preemption continues, not restarts."""
+    task.set_accelerator_type(GPU_TYPE).set_accelerator_limit(gpus)
+    task.set_cpu_request(cpu).set_memory_request(memory)
+    task.set_retry(2, backoff_duration="60s", backoff_factor=2, backoff_max_duration="1800s")
+    kubernetes.add_node_selector(task, label_key=GPU_POOL_LABEL, label_value=GPU_POOL_VALUE)
+    kubernetes.add_toleration(task, key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
+    return _common(task)

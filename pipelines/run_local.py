@@ -69,7 +69,8 @@ def run_local(
     out: dict = {"run_dir": str(run_dir), "report": None, "validation": [], "seconds": round(seconds, 1)}
     for v in sorted(root.glob("**/validation.json")):
         out["validation"].append(json.loads(v.read_text()))
-    report_json = _latest("**/report/report.json", root)
+    # The gate's copy of the report carries its decision; without model stages, the evaluation's report.
+    report_json = _latest("**/decision/report.json", root) or _latest("**/report/report.json", root)
     if report_json is not None:
         report = json.loads(report_json.read_text())
         report["command"] = command or " ".join(shlex.quote(a) for a in sys.argv)
@@ -77,6 +78,9 @@ def run_local(
         report["pipeline_seconds"] = round(seconds, 1)
         from gr2.report import write_report
 
+        evaluated = _latest("**/report/report.json", root)
+        for png in sorted(evaluated.parent.glob("*.png")) if evaluated else []:
+            shutil.copy(png, run_dir / png.name)  # the plots the report links to
         write_report(run_dir, report)  # runs/<id>/report.json + .md, and runs/latest -> <id>
         with open(run_dir / "report.md", "a") as f:
             f.write(f"\nRun `{run_id}`, pipeline {seconds:.0f} s, command `{report['command']}`.\n")
@@ -85,7 +89,11 @@ def run_local(
             bench = Path(benchmark_dir)
             bench.mkdir(parents=True, exist_ok=True)
             shutil.copy(run_dir / "report.json", bench / f"{label}.json")
-            shutil.copy(run_dir / "report.md", bench / f"{label}.md")
+            md = (run_dir / "report.md").read_text()
+            for name in report.get("plots", []):
+                shutil.copy(run_dir / name, bench / f"{label}_{name}")
+                md = md.replace(f"]({name})", f"]({label}_{name})")
+            (bench / f"{label}.md").write_text(md)
     return out
 
 

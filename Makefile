@@ -9,7 +9,7 @@ BENCH_DATASET ?= amazon_beauty
 export PYTHONUNBUFFERED := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install run bench test test-fast lint format compile lock clean
+.PHONY: help install run bench test lint format compile lock clean serve loadtest images
 
 help: ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -42,6 +42,26 @@ format: install ## apply ruff fixes and formatting
 
 compile: install ## compile the KFP pipeline to YAML (build/pipeline.yaml)
 	$(PY) -m pipelines.cli pipeline compile --output build/pipeline.yaml
+
+# The gated diffusion model of the newest run (override: make serve MODEL=path/to/bundle).
+MODEL ?= $(shell ls -td runs/latest/kfp/*/convert-cft/model 2>/dev/null | head -1)
+FEAST_REPO ?= $(shell ls -td runs/latest/kfp/*/feast-apply/feature_store 2>/dev/null | head -1)
+EXAMPLES ?= $(shell ls -td runs/latest/kfp/*/candidates/examples 2>/dev/null | head -1)
+
+serve: install ## serve the newest run's model on 127.0.0.1:8080 (predictor + Feast transformer on 8081)
+	@test -n "$(MODEL)" || { echo "no model: run 'make run' first or pass MODEL=<bundle dir>"; exit 2; }
+	$(PY) -m serving.serve_local --model_uri $(MODEL) $(if $(FEAST_REPO),--feast_repo $(FEAST_REPO))
+
+loadtest: install ## AR vs diffusion load test over HTTP on 127.0.0.1 -> benchmarks/serving.json/.md
+	@test -n "$(MODEL)" || { echo "no model: run 'make run' first or pass MODEL=<bundle dir>"; exit 2; }
+	$(PY) -m serving.loadtest --model_uri $(MODEL) $(if $(EXAMPLES),--examples $(EXAMPLES)) --out benchmarks/serving
+
+TAG ?= $(shell git rev-parse --short HEAD)
+REGISTRY ?= ghcr.io/diffusion-gr2
+images: ## build the three images (needs a Docker engine), tagged with the git sha
+	docker build -f images/Dockerfile.data -t $(REGISTRY)/gr2:$(TAG) .
+	docker build -f images/Dockerfile.train-gpu -t $(REGISTRY)/gr2-train-gpu:$(TAG) .
+	docker build -f images/Dockerfile.serve -t $(REGISTRY)/gr2-serve:$(TAG) .
 
 lock: ## re-compile requirements/lock.txt from requirements/requirements.in
 	uv pip compile --python-version 3.11 --find-links $(FIND_LINKS) requirements/requirements.in -o requirements/lock.txt

@@ -8,3 +8,7 @@ BASE_IMAGE = os.environ.get("GR2_IMAGE", "ghcr.io/diffusion-gr2/gr2:latest")
 # Components import gr2/feast/GX inside their bodies; the image has the project installed from the lock file,
 # so nothing is pip-installed at run time (air-gapped clusters, STACK.md A.1).
 COMPONENT_KWARGS = {"base_image": BASE_IMAGE, "packages_to_install": [], "install_kfp_package": False}
+
+# GPU steps (training, decoding) run the CUDA image built from images/Dockerfile.train-gpu, same lock, same tag.
+TRAIN_IMAGE = os.environ.get("GR2_TRAIN_IMAGE", BASE_IMAGE.replace("/gr2:", "/gr2-train-gpu:"))
+GPU_COMPONENT_KWARGS = {**COMPONENT_KWARGS, "base_image": TRAIN_IMAGE}

@@ -3,10 +3,10 @@
 from kfp import dsl
 from kfp.dsl import Artifact, Input, Metrics, Model, Output
 
-from components._image import COMPONENT_KWARGS
+from components._image import GPU_COMPONENT_KWARGS
 
 
-@dsl.component(**COMPONENT_KWARGS)
+@dsl.component(**GPU_COMPONENT_KWARGS)
 def convert_cft(
     ar_model: Input[Model],
     sft_data: Input[Artifact],

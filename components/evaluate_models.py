@@ -3,10 +3,10 @@
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Markdown, Metrics, Model, Output
 
-from components._image import COMPONENT_KWARGS
+from components._image import GPU_COMPONENT_KWARGS
 
 
-@dsl.component(**COMPONENT_KWARGS)
+@dsl.component(**GPU_COMPONENT_KWARGS)
 def evaluate_models(
     examples: Input[Dataset],
     floor_report: Input[Artifact],

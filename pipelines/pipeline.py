@@ -21,6 +21,7 @@ from components.feast_apply import feast_apply
 from components.gate import gate
 from components.ingest import ingest
 from components.prepare_sft import prepare_sft
+from components.record_outcome import record_outcome
 from components.train_ar_teacher import train_ar_teacher
 from components.validate import validate
 from pipelines.resources import cpu_task, gpu_task
@@ -83,35 +84,62 @@ def gr2_pipeline(
     candidate: str = "cft@0.9",
     canary_percent: int = 10,
 ):
-    """`snapshot_date` is part of every cache key: a nightly run with a new date never reuses old data.
+    """`snapshot_date` (the data version, recorded by ingest and the outcome) is part of every cache key, and
+    ingest is never cached, so no run reuses another day's data. The whole DAG sits in an exit handler that
+    records the run's outcome (components/record_outcome.py).
 
     `fs_yaml` = "" uses a per-run local feature store; a path (e.g. feature_repo/envs/prod.feature_store.yaml)
     selects an environment's registry / offline / online stores. `bounds_json` overrides validation
     row-count bounds (components/_lib/validation.py Bounds), e.g. for a small slice.
     """
-    ing = ingest(dataset=dataset, profile=profile, snapshot_date=snapshot_date, max_users=max_users)
-    fs = feast_apply(sources=ing.outputs["sources"], fs_yaml=fs_yaml)
-    ex = extract(sources=ing.outputs["sources"], feature_store=fs.outputs["feature_store"], fs_yaml=fs_yaml)
-    vt = validate(
-        sources=ing.outputs["sources"],
-        table=ex.outputs["targets"],
-        profile=profile,
-        stage="targets",
-        bounds_json=bounds_json,
-    ).set_display_name("validate-targets")
-    with dsl.If(vt.outputs["Output"] == True, name="targets-valid"):  # noqa: E712 (a KFP condition, not a bool)
-        cand = candidates(sources=ing.outputs["sources"], targets=ex.outputs["targets"], profile=profile)
-        ve = validate(
-            sources=ing.outputs["sources"],
-            table=cand.outputs["examples"],
+    # The exit handler runs last whatever happens inside (kfp.local runs it too): it records the run's outcome.
+    done = cpu_task(
+        record_outcome(
+            run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+            pipeline=PIPELINE_NAME,
+            dataset=dataset,
             profile=profile,
-            stage="examples",
+            snapshot_date=snapshot_date,
+        ),
+        cpu="500m",
+        memory="512M",
+    ).set_display_name("record-outcome")
+    done.set_caching_options(False)  # an outcome is a fact about this run, never a cached copy
+    with dsl.ExitHandler(done, name="run"):
+        ing = ingest(dataset=dataset, profile=profile, snapshot_date=snapshot_date, max_users=max_users)
+        # Never a cache hit: a nightly schedule passes the same parameters every night (KFP v2 does not expand
+        # [[ScheduledTime]] macros, kubeflow/pipelines#12494), so only re-running ingest reads today's data.
+        # Downstream tasks are keyed on ingest's fresh artifacts, so they re-run too.
+        ing.set_caching_options(False)
+        fs = feast_apply(sources=ing.outputs["sources"], fs_yaml=fs_yaml)
+        ex = extract(
+            sources=ing.outputs["sources"], feature_store=fs.outputs["feature_store"], fs_yaml=fs_yaml
+        )
+        vt = validate(
+            sources=ing.outputs["sources"],
+            table=ex.outputs["targets"],
+            profile=profile,
+            stage="targets",
             bounds_json=bounds_json,
-        ).set_display_name("validate-examples")
-        with dsl.If(ve.outputs["Output"] == True, name="examples-valid"):  # noqa: E712
-            _model_stages(
-                ing.outputs["sources"], cand.outputs["examples"], profile, dataset, candidate, canary_percent
-            )
+        ).set_display_name("validate-targets")
+        with dsl.If(vt.outputs["Output"] == True, name="targets-valid"):  # noqa: E712 (a KFP condition, not a bool)
+            cand = candidates(sources=ing.outputs["sources"], targets=ex.outputs["targets"], profile=profile)
+            ve = validate(
+                sources=ing.outputs["sources"],
+                table=cand.outputs["examples"],
+                profile=profile,
+                stage="examples",
+                bounds_json=bounds_json,
+            ).set_display_name("validate-examples")
+            with dsl.If(ve.outputs["Output"] == True, name="examples-valid"):  # noqa: E712
+                _model_stages(
+                    ing.outputs["sources"],
+                    cand.outputs["examples"],
+                    profile,
+                    dataset,
+                    candidate,
+                    canary_percent,
+                )
 
 
 def compile_pipeline(output: str) -> str:

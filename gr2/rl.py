@@ -456,7 +456,13 @@ def grpo_loss(
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """The RL loss of a rollout batch: replayed (or AR) log-probs -> clipped surrogate."""
+    """The RL loss of a rollout batch: replayed (or AR) log-probs -> clipped surrogate.
+
+    A batch whose advantages are all zero (every group dropped) has no gradient: skip the replay forward and
+    return a zero loss still attached to the parameters (the shared loop calls backward on it)."""
+    if not bool((batch.advantages != 0).any()):
+        zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        return zero, {"clip_frac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0}
     logits = policy_logits(model, batch, block_size, mask_id)
     lp = token_logprobs(logits, batch.input_ids[:, batch.prompt_len :], temperature)
     return clipped_surrogate(lp, batch.old_logprobs, batch.advantages, batch.scored, clip_eps, clip_eps_high)

@@ -9,8 +9,17 @@ gr2 validate --dataset PATH          GX suites on a dataset folder (exit 1 if an
 gr2 validate --sources ... --table runs/x/examples.parquet --stage examples
 gr2 candidates --sources ... --targets ... --out runs/x/examples.parquet
 gr2 evaluate --sources ... --examples ... --out runs/x/report
+gr2 prepare-sft --sources ... --examples ... --out runs/x/sft_data
+gr2 train-ar --sft-data runs/x/sft_data --out runs/x/ar [--variant trace|ar_no_trace]
+gr2 convert-cft --ar-model runs/x/ar --sft-data ... --naive-out runs/x/naive --out runs/x/cft
+gr2 evaluate-models --examples ... --floor-report runs/x/report --ar runs/x/ar ... --out runs/x/models
+gr2 gate --report runs/x/models --out runs/x/decision --candidate cft@0.9
+gr2 promote --run-id RUN --stage cft  write the production pointer after a passed canary
 gr2 pipeline compile --output build/pipeline.yaml
 gr2 pipeline run-local --dataset ml-100k --profile quick
+gr2 pipeline upload   [--host $KFP_HOST]          compile + upload a version named <date>-<git sha>
+gr2 pipeline run      [--version NAME] [--dataset ...] [--snapshot-date YYYY-MM-DD]
+gr2 pipeline schedule [--cron "0 0 2 * * *"] [--replace]   nightly recurring run
 """
 
 from __future__ import annotations
@@ -28,7 +37,9 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 data_app = typer.Typer(help="Datasets.", no_args_is_help=True)
-pipeline_app = typer.Typer(help="Compile or run the KFP pipeline.", no_args_is_help=True)
+pipeline_app = typer.Typer(
+    help="Compile, run locally, or upload / run / schedule on a KFP cluster.", no_args_is_help=True
+)
 app.add_typer(data_app, name="data")
 app.add_typer(pipeline_app, name="pipeline")
 
@@ -147,6 +158,121 @@ def evaluate(
     typer.echo(table_markdown(steps.evaluate(sources, examples, out, profile, dataset)))
 
 
+@app.command("prepare-sft")
+def prepare_sft(
+    sources: Path = typer.Option(..., help="sources folder from `gr2 ingest`"),
+    examples: Path = typer.Option(..., help="examples parquet from `gr2 candidates`"),
+    out: Path = typer.Option(..., help="sft_data folder to write"),
+    profile: str = typer.Option("quick"),
+) -> None:
+    """Semantic IDs, tokenizer, reasoning teacher and SFT records from the validated examples."""
+    from components._lib import model_steps
+
+    _echo(model_steps.prepare_sft(sources, examples, out, profile))
+
+
+@app.command("train-ar")
+def train_ar(
+    sft_data: Path = typer.Option(..., help="sft_data folder from `gr2 prepare-sft`"),
+    out: Path = typer.Option(..., help="model folder (bundle/ and train/ inside)"),
+    profile: str = typer.Option("quick"),
+    variant: str = typer.Option("trace", help="trace (trace + answer) | ar_no_trace (answer only, ablation)"),
+) -> None:
+    """Train the AR teacher (GR2 SFT); prints the training summary."""
+    from components._lib import model_steps
+
+    if variant not in ("trace", "ar_no_trace"):
+        raise typer.BadParameter(f"--variant {variant!r}: trace | ar_no_trace")
+    _echo(model_steps.train_ar(sft_data, out, profile, variant))
+
+
+@app.command("convert-cft")
+def convert_cft(
+    ar_model: Path = typer.Option(..., help="AR teacher folder from `gr2 train-ar`"),
+    sft_data: Path = typer.Option(...),
+    naive_out: Path = typer.Option(..., help="naive converted bundle (weights copied, no training)"),
+    out: Path = typer.Option(..., help="CFT model folder"),
+    profile: str = typer.Option("quick"),
+) -> None:
+    """AR -> block diffusion (weight copy, block-causal attention, token shift), then conversion fine-tuning."""
+    from components._lib import model_steps
+
+    _echo(model_steps.convert_cft(ar_model, sft_data, naive_out, out, profile))
+
+
+@app.command("evaluate-models")
+def evaluate_models(
+    examples: Path = typer.Option(..., help="examples parquet"),
+    floor_report: Path = typer.Option(..., help="report folder from `gr2 evaluate` (floor/popularity/ltr)"),
+    out: Path = typer.Option(..., help="report folder (report.json / report.md / plots)"),
+    ar: Path = typer.Option(None, help="AR teacher folder"),
+    ar_no_trace: Path = typer.Option(None, help="no-trace AR folder"),
+    naive: Path = typer.Option(None, help="naive converted folder"),
+    cft: Path = typer.Option(None, help="CFT folder"),
+    profile: str = typer.Option("quick"),
+) -> None:
+    """The stage table: floor rows plus every model given, with speed; prints it."""
+    from components._lib import model_steps
+    from components._lib.report_io import table_markdown
+
+    bundles = {"ar": ar, "ar_no_trace": ar_no_trace, "naive": naive, "cft": cft}
+    bundles = {k: v for k, v in bundles.items() if v is not None}
+    if not bundles:
+        raise typer.BadParameter("give at least one of --ar / --ar-no-trace / --naive / --cft")
+    typer.echo(table_markdown(model_steps.evaluate(examples, floor_report, bundles, out, profile)))
+
+
+@app.command()
+def gate(
+    report: Path = typer.Option(..., help="report.json or its folder (from `gr2 evaluate-models`)"),
+    out: Path = typer.Option(..., help="where decision.json / report.json / gate.md go"),
+    candidate: str = typer.Option("cft@0.9", help="row to gate: model[@tau]"),
+    data_validation_passed: bool = typer.Option(True, help="result of the data validation"),
+    profile: str = typer.Option("quick", help="profile holding the gate thresholds"),
+    production_json: str = typer.Option(
+        "", help='production record as JSON ("null" = nothing in production; default: the artifact store)'
+    ),
+) -> None:
+    """Decide promotion with the DESIGN.md rules; prints the reasons, exits 1 when the gate fails."""
+    from components.artifact_store import production_record
+    from gr2.gate import run_gate
+
+    res = run_gate(
+        report, out, candidate, data_validation_passed, profile, production_record(production_json)
+    )
+    typer.echo(f"gate {'PASSED' if res['passed'] else 'FAILED'} for {candidate}")
+    for line in res["reasons"]:
+        typer.echo(f"- {line}")
+    if not res["passed"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def promote(
+    run_id: str = typer.Option(
+        ..., help="the run whose model the canary served (see the deploy plan's storage_uri)"
+    ),
+    stage: str = typer.Option("cft", help="the uploaded stage"),
+    bucket: str = typer.Option("", envvar="GR2_S3_BUCKET", help="S3 bucket (default: the local store)"),
+    prefix: str = typer.Option(None, envvar="GR2_S3_PREFIX"),
+    endpoint_url: str = typer.Option("", envvar="S3_ENDPOINT_URL"),
+    local_root: str = typer.Option("", envvar="GR2_ARTIFACT_ROOT", help="local store folder"),
+) -> None:
+    """Point `production` at a published (run_id, stage) once its canary passed; the next gate compares to it."""
+    from components.artifact_store import ArtifactError, open_store
+
+    store = open_store(bucket or None, prefix, endpoint_url or None, local_root or None)
+    m = store.manifest(run_id, stage)
+    if m is None:
+        typer.echo(f"error: no complete upload of {run_id}/{stage} in the store", err=True)
+        raise typer.Exit(2)
+    try:
+        _echo(store.promote(run_id, stage, m.metadata))  # the record deploy stored: model, recall@1, ndcg@5
+    except ArtifactError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
 @pipeline_app.command("compile")
 def pipeline_compile(output: Path = typer.Option(Path("build/pipeline.yaml"))) -> None:
     """Compile the DAG to KFP YAML (image from GR2_IMAGE)."""
@@ -179,6 +305,156 @@ def pipeline_run_local(
     if benchmark_dir:
         argv += ["--benchmark-dir", benchmark_dir]
     raise typer.Exit(main(argv))
+
+
+# --- cluster operations (pipelines/ops.py): a KFP API endpoint from flags or KFP_HOST / KFP_TOKEN / KFP_NAMESPACE
+_HOST = typer.Option(None, "--host", envvar="KFP_HOST", help="KFP API endpoint, e.g. http://localhost:8080")
+_TOKEN = typer.Option(None, "--token", envvar="KFP_TOKEN", help="bearer token (clusters behind auth)")
+_NS = typer.Option(
+    None, "--namespace", envvar="KFP_NAMESPACE", help="Kubeflow profile namespace (multi-user)"
+)
+_PIPE = typer.Option("", "--pipeline-name", help="default: the DAG's name (gr2-retraining)")
+_EXP = typer.Option("gr2", "--experiment", help="KFP experiment (created if missing)")
+_VER = typer.Option(None, "--version", help="version name or id (default: the newest)")
+_PARAM = typer.Option(None, "--param", help="any pipeline parameter as key=value (repeatable)")
+
+
+def _client(host, token, namespace):
+    from pipelines import ops
+
+    try:
+        return ops.connect(ops.Endpoint.resolve(host, token, namespace))
+    except ops.OpsError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def _ops_call(fn, *args, **kwargs):
+    from pipelines import ops
+
+    try:
+        return fn(*args, **kwargs)
+    except ops.OpsError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _given(dataset, profile, candidate, canary_percent, bounds_json, max_users, fs_yaml, param) -> dict:
+    from pipelines import ops
+
+    named = {
+        "dataset": dataset,
+        "profile": profile,
+        "candidate": candidate,
+        "canary_percent": canary_percent,
+        "bounds_json": bounds_json,
+        "max_users": max_users,
+        "fs_yaml": fs_yaml,
+    }
+    return {**_ops_call(ops.parse_params, param or []), **{k: v for k, v in named.items() if v is not None}}
+
+
+@pipeline_app.command("upload")
+def pipeline_upload(
+    host: str = _HOST,
+    token: str = _TOKEN,
+    namespace: str = _NS,
+    package: Path = typer.Option(None, help="an already compiled YAML (default: compile now)"),
+    output: Path = typer.Option(Path("build/pipeline.yaml"), help="where to compile to"),
+    version: str = typer.Option("", help="version name (default: <UTC date>-<HHMMSS>-<git sha>)"),
+    pipeline_name: str = _PIPE,
+) -> None:
+    """Compile (images from GR2_IMAGE / GR2_TRAIN_IMAGE) and upload a new pipeline version named from the git
+    sha and date; the first upload creates the pipeline."""
+    import os
+
+    from pipelines import ops
+    from pipelines.pipeline import PIPELINE_NAME, compile_pipeline
+
+    client = _client(host, token, namespace)
+    sha = _ops_call(ops.git_sha)
+    if package is None:
+        package = Path(compile_pipeline(str(output)))
+    image = os.environ.get("GR2_IMAGE", "(default image: set GR2_IMAGE=<registry>/gr2:<sha>)")
+    v = _ops_call(
+        ops.upload,
+        client,
+        package,
+        pipeline_name or PIPELINE_NAME,
+        version or ops.version_name(sha),
+        f"git {sha}; image {image}",
+    )
+    _echo(v.__dict__)
+
+
+@pipeline_app.command("run")
+def pipeline_run(
+    host: str = _HOST,
+    token: str = _TOKEN,
+    namespace: str = _NS,
+    version: str = _VER,
+    pipeline_name: str = _PIPE,
+    experiment: str = _EXP,
+    run_name: str = typer.Option("", help="default: gr2-<dataset>-<snapshot date>-<version>"),
+    dataset: str = typer.Option(None, help="pipeline parameter (default: the pipeline's)"),
+    profile: str = typer.Option(None, help="quick | bench | a profile path"),
+    snapshot_date: str = typer.Option("", help="data version YYYY-MM-DD (default: today, UTC)"),
+    candidate: str = typer.Option(None, help="model the gate judges, e.g. cft@0.9"),
+    canary_percent: int = typer.Option(None, help="traffic share of the canary"),
+    bounds_json: str = typer.Option(None, help="validation row-count bounds (JSON)"),
+    max_users: int = typer.Option(None, help="first N users only (0 = all)"),
+    fs_yaml: str = typer.Option(None, help="feature store environment yaml"),
+    param: list[str] = _PARAM,
+    pipeline_root: str = typer.Option(None, help="e.g. s3://bucket/kfp (default: the cluster's)"),
+    service_account: str = typer.Option(None),
+) -> None:
+    """Start one run of an uploaded version with parameters; prints the run id."""
+    from pipelines import ops
+    from pipelines.pipeline import PIPELINE_NAME
+
+    given = _given(dataset, profile, candidate, canary_percent, bounds_json, max_users, fs_yaml, param)
+    params = _ops_call(ops.run_params, given, snapshot_date)
+    client = _client(host, token, namespace)
+    v = _ops_call(ops.find_version, client, pipeline_name or PIPELINE_NAME, version)
+    rid = ops.start_run(client, v, params, experiment, run_name, pipeline_root, service_account)
+    _echo({"run_id": rid, "version": v.name, "params": params})
+
+
+@pipeline_app.command("schedule")
+def pipeline_schedule(
+    host: str = _HOST,
+    token: str = _TOKEN,
+    namespace: str = _NS,
+    version: str = _VER,
+    pipeline_name: str = _PIPE,
+    experiment: str = _EXP,
+    name: str = typer.Option("gr2-nightly", help="recurring run name"),
+    cron: str = typer.Option("0 0 2 * * *", help="6 fields, seconds first (KFP): 02:00:00 daily"),
+    replace: bool = typer.Option(False, help="delete an existing recurring run of this name after creating"),
+    dataset: str = typer.Option(None),
+    profile: str = typer.Option(None),
+    candidate: str = typer.Option(None),
+    canary_percent: int = typer.Option(None),
+    bounds_json: str = typer.Option(None),
+    max_users: int = typer.Option(None),
+    fs_yaml: str = typer.Option(None),
+    param: list[str] = _PARAM,
+    pipeline_root: str = typer.Option(None),
+    service_account: str = typer.Option(None),
+) -> None:
+    """Create the nightly recurring run (max_concurrency=1, no catch-up); snapshot_date is left to each run."""
+    from pipelines import ops
+    from pipelines.pipeline import PIPELINE_NAME
+
+    given = _given(dataset, profile, candidate, canary_percent, bounds_json, max_users, fs_yaml, param)
+    params = _ops_call(ops.run_params, given)
+    params.pop("snapshot_date")  # each night's run must not carry a date fixed today (ops.schedule)
+    client = _client(host, token, namespace)
+    v = _ops_call(ops.find_version, client, pipeline_name or PIPELINE_NAME, version)
+    _echo(
+        _ops_call(
+            ops.schedule, client, v, params, experiment, name, cron, replace, pipeline_root, service_account
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,9 @@ class Endpoint:
     namespace: str = ""
 
     @classmethod
-    def resolve(cls, host: str | None = None, token: str | None = None, namespace: str | None = None) -> Endpoint:
+    def resolve(
+        cls, host: str | None = None, token: str | None = None, namespace: str | None = None
+    ) -> Endpoint:
         """Flags first, then KFP_HOST / KFP_TOKEN / KFP_NAMESPACE."""
         host = host or os.environ.get("KFP_HOST", "")
         if not host:
@@ -160,13 +162,20 @@ def upload(
         # Not client.upload_pipeline: it would add a version named after the pipeline (#5881), not the sha.
         ns = client.get_user_namespace() or None
         pipe = client.pipelines.pipeline_service_create_pipeline(
-            pipeline=V2beta1Pipeline(display_name=pipeline_name, description=description or None, namespace=ns)
+            pipeline=V2beta1Pipeline(
+                display_name=pipeline_name, description=description or None, namespace=ns
+            )
         )
         pid = pipe.pipeline_id
     v = client.upload_pipeline_version(
         str(package_path), version, pipeline_id=pid, description=description or None
     )
-    return Version(pipeline_id=pid, version_id=v.pipeline_version_id, name=v.display_name or version, created_pipeline=created)
+    return Version(
+        pipeline_id=pid,
+        version_id=v.pipeline_version_id,
+        name=v.display_name or version,
+        created_pipeline=created,
+    )
 
 
 def find_version(client, pipeline_name: str, version: str | None = None) -> Version:
@@ -236,7 +245,9 @@ def schedule(
         )
     exp = client.create_experiment(experiment, namespace=client.get_user_namespace() or None)
     pred = {"operation": "EQUALS", "key": "display_name", "stringValue": name}
-    old = client.list_recurring_runs(experiment_id=exp.experiment_id, filter=json.dumps({"predicates": [pred]}))
+    old = client.list_recurring_runs(
+        experiment_id=exp.experiment_id, filter=json.dumps({"predicates": [pred]})
+    )
     old_ids = [r.recurring_run_id for r in (old.recurring_runs or [])]
     if old_ids and not replace:
         raise OpsError(f"recurring run {name!r} already exists ({old_ids}); pass --replace to re-point it")
@@ -256,4 +267,9 @@ def schedule(
     )
     for rid in old_ids:
         client.delete_recurring_run(rid)
-    return {"recurring_run_id": rr.recurring_run_id, "replaced": old_ids, "cron": cron, "version": version.name}
+    return {
+        "recurring_run_id": rr.recurring_run_id,
+        "replaced": old_ids,
+        "cron": cron,
+        "version": version.name,
+    }

@@ -168,3 +168,14 @@ def test_prompts_for_step_epochs():
     seen = [i for s in range(5) for i in prompts_for_step(20, 4, s, seed=0)]
     assert sorted(seen) == list(range(20))  # one epoch = every prompt once
     assert prompts_for_step(20, 4, 7, 0) == prompts_for_step(20, 4, 7, 0)  # pure function of (seed, step)
+
+
+def test_all_groups_dropped_gives_zero_gradient():
+    diff = convert_to_diffusion(peaky_model(3.0), BS, MASK)
+    ro = sample_diffusion(
+        diff, prompts(2), 16, BS, 0.5, MASK, EOS, generator=torch.Generator().manual_seed(0)
+    )
+    loss, _ = grpo_loss(diff, rollout_batch(ro, EOS), BS, MASK, 1.0)  # advantages default to zero
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in diff.parameters())

@@ -1,42 +1,138 @@
-"""The compiled DAG: every step, its image, both validation conditions, and the snapshot_date parameter."""
+"""The compiled DAG (both YAML documents): every step and its image, GPU settings on every training and
+evaluation step, deploy under the gate's condition, the exit handler, caching keyed on snapshot_date."""
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
-from components._image import BASE_IMAGE
+from components._image import BASE_IMAGE, TRAIN_IMAGE
 from pipelines.pipeline import PIPELINE_NAME, compile_pipeline
+from pipelines.resources import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TYPE, S3_SECRET
 
-STEPS = ["ingest", "feast-apply", "extract", "validate", "candidates", "validate-2", "evaluate-floor"]
+GPU_STEPS = ["train-ar-teacher", "train-ar-no-trace", "convert-cft", "evaluate-models"]
 
 
-def test_compile_parses_and_wires_the_dag(tmp_path):
-    path = compile_pipeline(str(tmp_path / "pipeline.yaml"))
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    path = compile_pipeline(str(tmp_path_factory.mktemp("c") / "pipeline.yaml"))
     docs = [d for d in yaml.safe_load_all(open(path)) if d is not None]
-    spec = docs[0]
+    assert len(docs) == 2  # pipeline spec + Kubernetes platform spec
+    return docs[0], docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+
+
+def _tasks(spec) -> dict[str, tuple[str, dict]]:
+    """Every task in every (nested) DAG by display name -> (the DAG holding it, the task)."""
+    out = {"root": ("", spec["root"])}
+    for comp_name, comp in [("root", spec["root"]), *spec["components"].items()]:
+        for task in comp.get("dag", {}).get("tasks", {}).values():
+            out[task["taskInfo"]["name"]] = (comp_name, task)
+    return out
+
+
+def _executor(spec, task) -> str:
+    return spec["components"][task["componentRef"]["name"]]["executorLabel"]
+
+
+def test_dag_steps_images_and_parameters(compiled):
+    spec, _ = compiled
     assert spec["pipelineInfo"]["name"] == PIPELINE_NAME
-    executors = spec["deploymentSpec"]["executors"]
-    assert sorted(executors) == sorted(f"exec-{s}" for s in STEPS)
-    for ex in executors.values():
+    names = set(_tasks(spec)) - {"root"}
+    expected = {"ingest", "feast-apply", "extract", "validate-targets", "candidates", "validate-examples"}
+    expected |= {"evaluate-floor", "prepare-sft", *GPU_STEPS, "gate", "deploy", "record-outcome"}
+    assert expected <= names
+    for label, ex in spec["deploymentSpec"]["executors"].items():
         c = ex["container"]
-        assert c["image"] == BASE_IMAGE
+        gpu = label in {_executor(spec, t) for n, (_, t) in _tasks(spec).items() if n in GPU_STEPS}
+        assert c["image"] == (TRAIN_IMAGE if gpu else BASE_IMAGE), label
         assert "pip install" not in " ".join(
             c["command"]
-        )  # image has the project; nothing installed at run time
-    root = spec["root"]
-    assert {"dataset", "profile", "snapshot_date", "fs_yaml"} <= set(root["inputDefinitions"]["parameters"])
-    assert sorted(root["dag"]["tasks"]) == ["condition-1", "extract", "feast-apply", "ingest", "validate"]
-    # ingest takes snapshot_date, so a new date is a new cache key for everything downstream.
-    ing = root["dag"]["tasks"]["ingest"]["inputs"]["parameters"]
-    assert ing["snapshot_date"]["componentInputParameter"] == "snapshot_date"
-    cond1 = root["dag"]["tasks"]["condition-1"]
+        )  # the image has the project; nothing installed at run
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert {"dataset", "profile", "snapshot_date", "candidate", "bounds_json", "canary_percent"} <= set(
+        params
+    )
+
+
+def test_gpu_steps_have_accelerator_node_selector_toleration_retries(compiled):
+    spec, k8s = compiled
+    tasks = _tasks(spec)
+    for step in GPU_STEPS:
+        _, task = tasks[step]
+        label = _executor(spec, task)
+        acc = spec["deploymentSpec"]["executors"][label]["container"]["resources"]["accelerator"]
+        assert acc["resourceType"] == GPU_TYPE and int(acc["resourceCount"]) == 1, step
+        plat = k8s[label]
+        assert plat["nodeSelector"]["labels"] == {GPU_POOL_LABEL: GPU_POOL_VALUE}, step
+        [tol] = plat["tolerations"]
+        assert tol == {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}, step
+        retry = task["retryPolicy"]
+        assert (
+            retry["maxRetryCount"] == 2 and retry["backoffDuration"] == "60s" and retry["backoffFactor"] == 2
+        )
+        env = {e["envVar"] for s in plat["secretAsEnv"] for e in s["keyToEnv"]}
+        assert {s["secretName"] for s in plat["secretAsEnv"]} == {S3_SECRET}, step
+        assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= env, step
+    # CPU steps stay off the GPU pool.
+    for step in ["gate", "deploy", "prepare-sft", "evaluate-floor"]:
+        label = _executor(spec, tasks[step][1])
+        assert "accelerator" not in spec["deploymentSpec"]["executors"][label]["container"].get(
+            "resources", {}
+        )
+        assert "nodeSelector" not in k8s[label] and "tolerations" not in k8s[label]
+        assert {s["secretName"] for s in k8s[label]["secretAsEnv"]} == {S3_SECRET}
+        assert tasks[step][1]["retryPolicy"]["maxRetryCount"] == 1
+
+
+def test_deploy_sits_under_the_gate_condition(compiled):
+    spec, _ = compiled
+    tasks = _tasks(spec)
+    parent, _ = tasks["deploy"]
+    # the condition branch holding deploy is triggered by the gate's boolean output
+    [(cond_name, cond)] = [
+        (n, t) for n, (_, t) in tasks.items() if t.get("componentRef", {}).get("name") == parent
+    ]
+    assert cond_name == "gate-passed"
     assert (
-        cond1["triggerPolicy"]["condition"]
-        == "inputs.parameter_values['pipelinechannel--validate-Output'] == true"
+        cond["triggerPolicy"]["condition"]
+        == "inputs.parameter_values['pipelinechannel--gate-Output'] == true"
     )
-    inner = spec["components"]["comp-condition-1"]["dag"]["tasks"]
-    assert sorted(inner) == ["candidates", "condition-2", "validate-2"]
-    assert inner["condition-2"]["triggerPolicy"]["condition"] == (
-        "inputs.parameter_values['pipelinechannel--validate-2-Output'] == true"
-    )
-    assert list(spec["components"]["comp-condition-2"]["dag"]["tasks"]) == ["evaluate-floor"]
+    assert cond["inputs"]["parameters"]["pipelinechannel--gate-Output"]["taskOutputParameter"] == {
+        "outputParameterKey": "Output",
+        "producerTask": "gate",
+    }
+    assert "deploy" in spec["components"][parent]["dag"]["tasks"]
+    # ... and the gate itself is not conditional on itself: it sits beside the branch
+    assert tasks["gate"][0] == tasks["gate-passed"][0]
+
+
+def test_exit_handler_records_the_outcome(compiled):
+    spec, k8s = compiled
+    root = spec["root"]["dag"]["tasks"]
+    assert sorted(root) == ["exit-handler-1", "record-outcome"]  # the whole DAG inside the exit handler
+    rec = root["record-outcome"]
+    assert rec["dependentTasks"] == ["exit-handler-1"]
+    assert rec["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"  # runs on failure too
+    assert rec["inputs"]["parameters"]["status"] == {"taskFinalStatus": {"producerTask": "exit-handler-1"}}
+    assert rec["inputs"]["parameters"]["run_id"]["runtimeValue"]["constant"] == "{{$.pipeline_job_uuid}}"
+    assert rec["cachingOptions"] == {}  # never a cached outcome
+    assert k8s[_executor(spec, rec)]["secretAsEnv"][0]["secretName"] == S3_SECRET
+
+
+def test_caching_cannot_reuse_another_snapshot(compiled):
+    spec, _ = compiled
+    tasks = _tasks(spec)
+    _, ing = tasks["ingest"]
+    # snapshot_date flows from the pipeline parameter into ingest (a new date = a new cache key) ...
+    assert ing["inputs"]["parameters"]["snapshot_date"] == {
+        "componentInputParameter": "pipelinechannel--snapshot_date"
+    }
+    # ... and ingest never caches (a schedule repeats its parameters), so it re-reads the data every run.
+    assert ing["cachingOptions"] == {}
+    # Every other data step consumes ingest's fresh artifact, so its cache key changes with it.
+    for step in ["feast-apply", "extract", "validate-targets", "candidates", "validate-examples"]:
+        arts = tasks[step][1]["inputs"]["artifacts"]
+        assert any("ingest" in str(a) for a in arts.values()), step
+    for step in ["prepare-sft", "evaluate-floor", "evaluate-models"]:
+        arts = tasks[step][1]["inputs"]["artifacts"]
+        assert any("sources" in k or "examples" in k for k in arts), step

@@ -1,4 +1,4 @@
-"""Greedy decoders: AR with a KV cache, and threshold-commit block diffusion (PAPER 3.5), each returning nfe.
+"""The decoders: AR with a KV cache, and threshold-commit block diffusion (PAPER 3.5), each returning nfe.
 
 Small pure functions in the style of LLaDA / Fast-dLLM `generate.py`. Both take unpadded prompts (lists of token
 ids), left-pad them (see gr2/model.py for the layout) and return `tokens` [B, max_new_tokens]. A row is finished
@@ -14,9 +14,15 @@ stores a finished block's KV is folded into the next block's first round (Fast-d
 [finished block, canvas] under the block-causal mask, the finished block's KV is kept and the canvas KV
 dropped (`DynamicCache.crop`). So block_size = 1 diffusion is AR exactly, nfe included, and
 nfe = 1 + n_blocks when every block commits in one round.
+
+Greedy by default. The token-choice rule is pluggable (`pick` for AR, `commit_fn` for diffusion) so that
+gr2/rl.py samples its rollouts with these same loops; the optional `logprobs` output tensor then receives the
+rule's log-prob of every decoded token. The greedy path computes no log-probs (no extra softmax).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
@@ -38,6 +44,24 @@ def left_pad(
     return ids.to(device), pad_lens.to(device)
 
 
+# pick(logits [B, V]) -> (tokens [B], log-probs [B]): the AR token choice (default: arg-max).
+PickRule = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# commit_fn(logits [B, C, V], masked [B, C], tau) -> (commit [B, C], tokens [B, C], log-probs [B, C]):
+# the diffusion commit rule (default: `select_commits`).
+CommitRule = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _check_logprobs(logprobs: torch.Tensor | None, rule: Callable | None, shape: tuple[int, int]) -> None:
+    """Validate the optional output tensor and clear it: fillers (never decoded) keep log-prob 0."""
+    if logprobs is None:
+        return
+    if rule is None:
+        raise ValueError("logprobs needs a token-choice rule that returns them (pick / commit_fn)")
+    if tuple(logprobs.shape) != shape:
+        raise ValueError(f"logprobs has shape {tuple(logprobs.shape)}, expected {shape}")
+    logprobs.zero_()
+
+
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -54,14 +78,20 @@ def ar_generate(
     max_new_tokens: int,
     eos_id: int | None,
     use_cache: bool = True,
+    pick: PickRule | None = None,
+    logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """Greedy AR decoding, batched with left padding. Returns (tokens [B, max_new_tokens], nfe).
+    """AR decoding, batched with left padding. Returns (tokens [B, max_new_tokens], nfe).
 
     use_cache=False re-runs the whole sequence every step (reference path for tests).
+    pick: the token choice from the last logits (default greedy arg-max, no log-probs computed).
+    logprobs: optional output [B, max_new_tokens] (needs `pick`): each decoded token's log-prob as returned
+    by `pick`, 0 for the eos filler written after a row finished.
     """
     dev = _device(model)
     ids, pad_lens = left_pad(prompts, _pad_id(model), dev)
     B, P = ids.shape
+    _check_logprobs(logprobs, pick, (B, max_new_tokens))
     out = torch.full((B, max_new_tokens), eos_id if eos_id is not None else _pad_id(model), device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     seq = ids
@@ -80,7 +110,12 @@ def ar_generate(
         ).logits[:, -1]
         nfe += 1
         fed = seq.shape[1]
-        tok = logits.argmax(-1)
+        if pick is None:
+            tok = logits.argmax(-1)
+        else:
+            tok, lp = pick(logits)
+            if logprobs is not None:
+                logprobs[:, t] = torch.where(done, torch.zeros_like(lp), lp)
         if eos_id is not None:
             tok = torch.where(done, torch.full_like(tok, eos_id), tok)
         out[:, t] = tok
@@ -133,8 +168,10 @@ def diffusion_generate(
     mask_id: int,
     eos_id: int | None,
     use_cache: bool = True,
+    commit_fn: CommitRule | None = None,
+    logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """Block-diffusion greedy decoding with threshold commits. Returns (tokens, nfe, trajectory).
+    """Block-diffusion decoding with threshold commits (greedy by default). Returns (tokens, nfe, trajectory).
 
     Blocks of `block_size` are aligned at the response start (the last one is cut at max_new_tokens). Each
     block starts as a canvas of `mask_id`; each round predicts every masked position with the AR token shift
@@ -147,11 +184,17 @@ def diffusion_generate(
 
     use_cache=False is the reference path: every round re-runs prompt + finished blocks + canvas under
     `block_causal_mask` (same tokens and trajectory; more compute; it runs a forward every round).
+
+    commit_fn: the commit rule, called as commit_fn(shifted logits, masked, tau) -> (commit, tokens,
+    log-probs) (default `select_commits`, no log-probs computed). logprobs: optional output
+    [B, max_new_tokens] (needs `commit_fn`): each committed token's log-prob as returned by the rule,
+    0 where trajectory is -1.
     """
     dev = _device(model)
     ids, pad_lens = left_pad(prompts, _pad_id(model), dev)
     B, P = ids.shape
     L = max_new_tokens
+    _check_logprobs(logprobs, commit_fn, (B, L))
     fill = eos_id if eos_id is not None else mask_id
     resp = torch.full((B, L), mask_id, dtype=torch.long, device=dev)
     traj = torch.full((B, L), -1, dtype=torch.long, device=dev)
@@ -219,8 +262,13 @@ def diffusion_generate(
             else:  # only position 0 masked: its logits (anchor) do not depend on the canvas
                 shifted = anchor[:, None]
             masked = masked[:, : shifted.shape[1]]
-            commit, pred = select_commits(shifted, masked, tau)
-            c = commit.shape[1]
+            c = shifted.shape[1]
+            if commit_fn is None:  # the module global, looked up per round (tests spy on it)
+                commit, pred = select_commits(shifted, masked, tau)
+            else:
+                commit, pred, lp = commit_fn(shifted, masked, tau)
+                if logprobs is not None:
+                    logprobs[:, s0 : s0 + c][commit] = lp[commit]
             block[:, :c] = torch.where(commit, pred, block[:, :c])
             traj[:, s0 : s0 + c][commit] = rnd
             committed[:, :c] |= commit

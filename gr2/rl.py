@@ -12,11 +12,12 @@ clean blocks before its block and itself (bidirectionally); nothing sees a canva
 first position is read off the last clean token before the block (the decoder's anchor), so it needs no
 canvas; with block_size 1 there are no canvases at all and replay is the AR forward.
 
-Sampling (rollouts need temperature > 0 for group diversity) lives here, not in gr2/decode.py: `sample_ar`
-mirrors `ar_generate` and `sample_diffusion` mirrors `diffusion_generate`'s cached loop with sampled tokens
-and the sampled token's probability as commit confidence (threshold tau plus one forced commit). With
-temperature 0 both reproduce the greedy decoders token for token (tested). Each returns the log-prob of every
-token under the policy it sampled from, softmax(logits / temperature), which the replay must reproduce.
+Sampling (rollouts need temperature > 0 for group diversity) runs gr2/decode.py's own loops with a sampled
+token-choice rule defined here: `sample_ar` = `ar_generate` with `_pick`, `sample_diffusion` =
+`diffusion_generate` (cached) with `sample_commits`, i.e. sampled tokens and the sampled token's probability
+as commit confidence (threshold tau plus one forced commit). With temperature 0 both reproduce the greedy
+decoders token for token (tested). Each returns the log-prob of every token under the policy it sampled from,
+softmax(logits / temperature), which the replay must reproduce.
 
 Loss (DAPO): advantages (R - mean) / std per group of G rollouts of one prompt; zero-variance groups are
 dropped (no signal); invalid rollouts stay with R = -1; token-level clipped surrogate
@@ -27,14 +28,14 @@ their number. A scored token = a committed token at or before the row's first eo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
-from gr2.decode import _crop_to, _finished, left_pad
+from gr2.decode import ar_generate, diffusion_generate, left_pad
 from gr2.losses import Batch
-from gr2.model import attention_rows, block_causal_mask, position_ids_for
+from gr2.model import block_causal_mask, position_ids_for
 
 
 @dataclass
@@ -148,36 +149,16 @@ def sample_ar(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> Rollouts:
-    """AR sampling with a KV cache (mirrors `ar_generate`; temperature 0 = greedy)."""
+    """AR sampling: `ar_generate` (KV cache) with `_pick` as the token choice; temperature 0 = greedy."""
     dev = _dev(model)
     ids, pad_lens = left_pad(prompts, _pad(model), dev)
-    B = ids.shape[0]
-    out = torch.full((B, max_new_tokens), eos_id, device=dev)
-    traj = torch.full((B, max_new_tokens), -1, device=dev)
-    lps = torch.zeros(B, max_new_tokens, device=dev)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    seq, cache, fed, nfe = ids, DynamicCache(), 0, 0
-    for t in range(max_new_tokens):
-        cols = torch.arange(fed, seq.shape[1], device=dev)
-        attn = (torch.arange(seq.shape[1], device=dev)[None, :] >= pad_lens[:, None]).long()
-        logits = model(
-            input_ids=seq[:, cols],
-            attention_mask=attn,
-            position_ids=position_ids_for(pad_lens, cols),
-            cache=cache,
-            use_cache=True,
-        ).logits[:, -1]
-        nfe, fed = nfe + 1, seq.shape[1]
-        tok, lp = _pick(logits, temperature, generator)
-        tok = torch.where(done, torch.full_like(tok, eos_id), tok)
-        out[:, t] = tok
-        lps[:, t] = torch.where(done, torch.zeros_like(lp), lp)
-        traj[:, t] = torch.where(done, torch.full_like(tok, -1), torch.full_like(tok, t))
-        done |= tok == eos_id
-        if bool(done.all()):
-            break
-        seq = torch.cat([seq, tok[:, None]], dim=1)
-    return Rollouts(ids, pad_lens, out, traj, lps, nfe)
+    lps = torch.zeros(len(prompts), max_new_tokens, device=dev)
+    pick = partial(_pick, temperature=temperature, gen=generator)
+    tokens, nfe = ar_generate(model, prompts, max_new_tokens, eos_id, pick=pick, logprobs=lps)
+    # AR decodes every column up to its row's first eos, column t at step t; later columns are eos filler.
+    decoded = scored_positions(tokens, torch.zeros_like(tokens), eos_id)
+    traj = torch.where(decoded, torch.arange(max_new_tokens, device=dev).expand_as(tokens), -1)
+    return Rollouts(ids, pad_lens, tokens, traj, lps, nfe)
 
 
 def sample_commits(
@@ -206,73 +187,16 @@ def sample_diffusion(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> Rollouts:
-    """Block-diffusion sampling: `diffusion_generate`'s cached loop (same rounds, anchors, nfe and trajectory)
-    with `sample_commits` as the commit rule. temperature 0 reproduces `diffusion_generate` exactly."""
+    """Block-diffusion sampling: `diffusion_generate` (cached: same rounds, anchors, nfe and trajectory) with
+    `sample_commits` as the commit rule. temperature 0 reproduces `diffusion_generate` exactly."""
     dev = _dev(model)
     ids, pad_lens = left_pad(prompts, _pad(model), dev)
-    B, P = ids.shape
-    L = max_new_tokens
-    resp = torch.full((B, L), mask_id, dtype=torch.long, device=dev)
-    traj = torch.full((B, L), -1, dtype=torch.long, device=dev)
-    lps = torch.zeros(B, L, device=dev)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    cache = DynamicCache()
-    cols = torch.arange(P, device=dev)
-    anchor = model(
-        input_ids=ids,
-        attention_mask=(cols[None, :] >= pad_lens[:, None]).long(),
-        position_ids=position_ids_for(pad_lens, cols),
-        cache=cache,
-        use_cache=True,
-    ).logits[:, -1]
-    nfe, rnd, end = 1, 0, 0
-    for s0 in range(0, L, block_size):
-        if bool(done.all()):
-            break
-        cl = min(block_size, L - s0)
-        end = s0 + cl
-        block = resp[:, s0 : s0 + cl]
-        committed = torch.zeros(B, cl, dtype=torch.bool, device=dev)
-        committed[done] = True
-        block[done] = eos_id
-        pending = s0 > 0
-        while True:
-            masked = ~committed
-            if not bool(masked.any()):
-                break
-            if pending or bool(masked[:, 1:].any()):
-                n_pend = block_size if pending else 0
-                cols = torch.arange(P + s0 - n_pend, P + s0 + cl, device=dev)
-                logits = model(
-                    input_ids=torch.cat([resp[:, s0 - n_pend : s0], block], dim=1),
-                    attention_mask=attention_rows(P, cols, P + s0 + cl, block_size, pad_lens),
-                    position_ids=position_ids_for(pad_lens, cols),
-                    cache=cache,
-                    use_cache=True,
-                ).logits
-                nfe += 1
-                _crop_to(cache, P + s0)
-                if pending:
-                    anchor, pending = logits[:, n_pend - 1], False
-                shifted = torch.cat([anchor[:, None], logits[:, n_pend : n_pend + cl - 1]], dim=1)
-            else:
-                shifted = anchor[:, None]
-            masked = masked[:, : shifted.shape[1]]
-            commit, pred, lp = sample_commits(shifted, masked, tau, temperature, generator)
-            c = commit.shape[1]
-            block[:, :c] = torch.where(commit, pred, block[:, :c])
-            traj[:, s0 : s0 + c][commit] = rnd
-            lps[:, s0 : s0 + c][commit] = lp[commit]
-            committed[:, :c] |= commit
-            rnd += 1
-            newly = _finished(block, committed, eos_id) & ~done
-            if bool(newly.any()):
-                done |= newly
-                rest = newly[:, None] & ~committed
-                block[rest] = eos_id
-                committed |= newly[:, None]
-    resp[:, end:] = eos_id
-    return Rollouts(ids, pad_lens, resp, traj, lps, nfe)
+    lps = torch.zeros(len(prompts), max_new_tokens, device=dev)
+    commit_fn = partial(sample_commits, temperature=temperature, gen=generator)
+    tokens, nfe, traj = diffusion_generate(
+        model, prompts, max_new_tokens, block_size, tau, mask_id, eos_id, commit_fn=commit_fn, logprobs=lps
+    )
+    return Rollouts(ids, pad_lens, tokens, traj, lps, nfe)
 
 
 def sample(

@@ -172,6 +172,18 @@ def rejection_sample(
     return None, cfg.max_tries
 
 
+def answer_order(ranking: Sequence[int], top_k: int, tail_order: str = "retriever") -> np.ndarray:
+    """The answer's permutation: the top_k of `ranking` (what the trace argues for), then the rest either in
+    retriever order ("retriever": ascending index, a pattern a small model learns exactly) or as sampled."""
+    r = [int(i) for i in ranking]
+    if tail_order == "sampled":
+        return np.asarray(r)
+    if tail_order != "retriever":
+        raise ValueError(f"tail_order must be 'retriever' or 'sampled', got {tail_order!r}")
+    head = r[:top_k]
+    return np.asarray(head + sorted(i for i in r if i not in head))
+
+
 def make_trace(
     evidence_buckets: np.ndarray,
     scores: np.ndarray,
@@ -268,6 +280,7 @@ def build_sft_records_from_arrays(
         tries.append(n_try)
         if ranking is None:
             continue
+        ranking = answer_order(ranking, tc.top_k, tc.tail_order)
         trace = None
         if variant == "trace":
             trace = make_trace(

@@ -142,6 +142,20 @@ def check_cron(cron: str) -> str:
     return " ".join(fields)
 
 
+def _eq_filter(key: str, value: str) -> str:
+    return json.dumps({"predicates": [{"operation": "EQUALS", "key": key, "stringValue": value}]})
+
+
+def pipeline_id(client, name: str) -> str | None:
+    """The id of pipeline `name`, looked up in the client's namespace (kfp's get_pipeline_id ignores it, so
+    on multi-user Kubeflow it would miss a namespaced pipeline and a second one would be created)."""
+    ns = client.get_user_namespace() or None
+    found = client.list_pipelines(filter=_eq_filter("display_name", name), namespace=ns).pipelines or []
+    if len(found) > 1:
+        raise OpsError(f"{len(found)} pipelines named {name!r}; pass --pipeline-name of a unique one")
+    return found[0].pipeline_id if found else None
+
+
 @dataclass(frozen=True)
 class Version:
     pipeline_id: str
@@ -154,9 +168,9 @@ def upload(
     client, package_path: str | Path, pipeline_name: str, version: str, description: str = ""
 ) -> Version:
     """Upload `package_path` as version `version` of `pipeline_name`, creating the pipeline on first upload."""
-    from kfp_server_api import V2beta1Pipeline
+    from kfp_server_api import ApiException, V2beta1Pipeline
 
-    pid = client.get_pipeline_id(pipeline_name)
+    pid = pipeline_id(client, pipeline_name)
     created = pid is None
     if created:
         # Not client.upload_pipeline: it would add a version named after the pipeline (#5881), not the sha.
@@ -167,9 +181,16 @@ def upload(
             )
         )
         pid = pipe.pipeline_id
-    v = client.upload_pipeline_version(
-        str(package_path), version, pipeline_id=pid, description=description or None
-    )
+    try:
+        v = client.upload_pipeline_version(
+            str(package_path), version, pipeline_id=pid, description=description or None
+        )
+    except ApiException as e:
+        if e.status == 409:  # AlreadyExists: version names are unique within a pipeline
+            raise OpsError(
+                f"version {version!r} of {pipeline_name!r} already exists; pass another --version"
+            ) from e
+        raise
     return Version(
         pipeline_id=pid,
         version_id=v.pipeline_version_id,
@@ -180,13 +201,10 @@ def upload(
 
 def find_version(client, pipeline_name: str, version: str | None = None) -> Version:
     """A version of `pipeline_name` by name (as `upload` printed it) or id; the newest one when None."""
-    pid = client.get_pipeline_id(pipeline_name)
+    pid = pipeline_id(client, pipeline_name)
     if pid is None:
         raise OpsError(f"pipeline {pipeline_name!r} not found: run `gr2 pipeline upload` first")
-    flt = None
-    if version:
-        pred = {"operation": "EQUALS", "key": "display_name", "stringValue": version}
-        flt = json.dumps({"predicates": [pred]})
+    flt = _eq_filter("display_name", version) if version else None
     res = client.list_pipeline_versions(pid, page_size=1, sort_by="created_at desc", filter=flt)
     if res.pipeline_versions:
         v = res.pipeline_versions[0]
@@ -244,10 +262,7 @@ def schedule(
             "every night would carry the same date; leave it empty (ingest is never cached)"
         )
     exp = client.create_experiment(experiment, namespace=client.get_user_namespace() or None)
-    pred = {"operation": "EQUALS", "key": "display_name", "stringValue": name}
-    old = client.list_recurring_runs(
-        experiment_id=exp.experiment_id, filter=json.dumps({"predicates": [pred]})
-    )
+    old = client.list_recurring_runs(experiment_id=exp.experiment_id, filter=_eq_filter("display_name", name))
     old_ids = [r.recurring_run_id for r in (old.recurring_runs or [])]
     if old_ids and not replace:
         raise OpsError(f"recurring run {name!r} already exists ({old_ids}); pass --replace to re-point it")

@@ -172,3 +172,14 @@ def test_integration_on_real_slice(tmp_path):
     for r in recs[:50]:
         res = parse_response(r.response_ids, 10, tok)
         assert res.reason is None and sorted(res.ranking) == list(range(10))
+
+
+def test_answer_order_keeps_the_argued_top_and_the_retriever_tail():
+    from gr2.teacher import answer_order
+
+    r = [6, 2, 9, 0, 8, 1, 7, 3, 5, 4]
+    assert answer_order(r, 3).tolist() == [6, 2, 9, 0, 1, 3, 4, 5, 7, 8]
+    assert answer_order(r, 3, "sampled").tolist() == r
+    assert sorted(answer_order(r, 0).tolist()) == answer_order(r, 0).tolist() == list(range(10))
+    with pytest.raises(ValueError, match="tail_order"):
+        answer_order(r, 3, "random")

@@ -53,9 +53,11 @@ class FakeKFP:
             return 200, {"multi_user": False}
         if parts[0] == "pipelines":
             if method == "GET" and len(parts) == 1:
-                return 200, {"pipelines": self._filtered(self.pipelines, query)}
+                mine = [p for p in self.pipelines if p.get("namespace") == query.get("namespace")]
+                return 200, {"pipelines": self._filtered(mine, query)}
             if method == "POST" and len(parts) == 1:
                 p = {"pipeline_id": uuid.uuid4().hex, "display_name": body["display_name"]}
+                p |= {"namespace": body["namespace"]} if body.get("namespace") else {}
                 self.pipelines.append(p)
                 self.versions[p["pipeline_id"]] = []
                 return 200, p
@@ -323,3 +325,71 @@ def test_promote_writes_the_pointer_from_the_uploaded_record(tmp_path):
     )
     missing = CliRunner().invoke(app, ["promote", "--run-id", "run-8"], env=env)
     assert missing.exit_code == 2 and store.production()["run_id"] == "run-7"
+
+
+def test_record_outcome_writes_the_artifact_and_the_store(tmp_path, monkeypatch, capsys):
+    from kfp import dsl
+    from kfp.dsl import Artifact
+
+    from components.artifact_store import open_store
+    from components.record_outcome import record_outcome
+
+    monkeypatch.delenv("GR2_S3_BUCKET", raising=False)
+    status = dsl.PipelineTaskFinalStatus("FAILED", "job-1", "exit-handler-1", 1, "Task ingest failed.")
+    art = Artifact(name="outcome", uri=str(tmp_path / "outcome"))
+    kw = {"run_id": "run-9", "pipeline": PIPELINE_NAME, "dataset": "ml-100k", "profile": "quick"}
+    record_outcome.python_func(
+        status=status, outcome=art, snapshot_date="2026-11-29", store_local_root=str(tmp_path / "s"), **kw
+    )
+    rec = json.loads((tmp_path / "outcome" / "outcome.json").read_text())
+    assert (rec["status"], rec["error_message"], rec["snapshot_date"]) == (
+        "FAILED",
+        "Task ingest failed.",
+        "2026-11-29",
+    )
+    assert rec["run_id"] == "run-9" and art.metadata["status"] == "FAILED"
+    assert open_store(local_root=tmp_path / "s", prefix="reranker").report("run-9", "outcome") == rec
+    assert "gr2 run outcome:" in capsys.readouterr().out
+    # No store configured: the artifact and the log line only (local runs do not litter runs/artifacts).
+    monkeypatch.chdir(tmp_path)  # where the default local store (runs/artifacts) would land
+    art2 = Artifact(name="outcome", uri=str(tmp_path / "o2"))
+    record_outcome.python_func(status=status, outcome=art2, snapshot_date="", **kw)
+    assert (tmp_path / "o2" / "outcome.json").exists() and not (tmp_path / "runs").exists()
+
+
+def test_cli_exposes_every_step():
+    top = CliRunner().invoke(app, ["--help"])
+    steps = [
+        "ingest",
+        "feast-apply",
+        "extract",
+        "validate",
+        "candidates",
+        "evaluate",
+        "prepare-sft",
+        "train-ar",
+    ]
+    steps += ["convert-cft", "evaluate-models", "gate", "promote"]
+    for cmd in steps:
+        assert cmd in top.output, cmd
+        res = CliRunner().invoke(app, [cmd, "--help"])
+        usage_and_help = res.output.split("Options:")[0].strip().splitlines()
+        assert res.exit_code == 0 and len(usage_and_help) >= 3, (cmd, res.output)  # usage, blank, help text
+    for cmd in ["compile", "run-local", "upload", "run", "schedule"]:
+        assert CliRunner().invoke(app, ["pipeline", cmd, "--help"]).exit_code == 0, cmd
+    assert "--variant" in CliRunner().invoke(app, ["train-ar", "--help"]).output
+
+
+def test_multi_user_namespace_is_used_for_lookup_and_creation(kfp_api, package):
+    fake, url = kfp_api
+    for v in ["v1-abc1234", "v2-abc1234"]:
+        res = _cli(["pipeline", "upload", "--package", package, "--version", v], url, KFP_NAMESPACE="team-a")
+        assert res.exit_code == 0, res.output
+    dup = _cli(
+        ["pipeline", "upload", "--package", package, "--version", "v2-abc1234"], url, KFP_NAMESPACE="team-a"
+    )
+    assert dup.exit_code == 2 and "already exists" in dup.output
+    [pipe] = fake.pipelines  # found again in its namespace, not created twice
+    assert pipe["namespace"] == "team-a"
+    assert all(r["query"]["namespace"] == "team-a" for r in fake.calls("GET", f"{API}/pipelines"))
+    assert not fake.calls("GET", f"{API}/healthz")  # a namespace given: no multi-user probe

@@ -170,7 +170,10 @@ def run_gate(
     from gr2.config import load_profile
 
     report = read_report(report_path)
-    decision = decide(report["rows"], candidate, data_validation, production, load_profile(profile).gate)
+    prof = load_profile(profile)
+    if "@" not in candidate and sum(r.get("model") == candidate for r in report["rows"]) > 1:
+        candidate = f"{candidate}@{prof.diffusion.eval_tau}"  # a model decoded at several tau: the operating one
+    decision = decide(report["rows"], candidate, data_validation, production, prof.gate)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"candidate": candidate, **decision.to_dict(), "production": production}

@@ -29,7 +29,7 @@ from pipelines.resources import cpu_task, gpu_task
 PIPELINE_NAME = "gr2-retraining"
 
 
-def _model_stages(sources, examples, profile, dataset, candidate, canary_percent) -> None:
+def _model_stages(sources, examples, profile, dataset, candidate, canary_percent, deploy_dry_run) -> None:
     """Model stages on validated examples: floor/ltr table, AR teacher (+ no-trace ablation), conversion + CFT,
     the stage table with speed, the gate, and (only if the gate passes) the canary deployment."""
     floor = cpu_task(evaluate_floor(sources=sources, examples=examples, profile=profile, dataset=dataset))
@@ -66,6 +66,7 @@ def _model_stages(sources, examples, profile, dataset, candidate, canary_percent
                 run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
                 stage="cft",
                 canary_percent=canary_percent,
+                dry_run=deploy_dry_run,
             )
         )
 
@@ -81,8 +82,9 @@ def gr2_pipeline(
     max_users: int = 0,
     fs_yaml: str = "",
     bounds_json: str = "{}",
-    candidate: str = "cft@0.9",
+    candidate: str = "cft",
     canary_percent: int = 10,
+    deploy_dry_run: bool = True,
 ):
     """`snapshot_date` (the data version, recorded by ingest and the outcome) is part of every cache key, and
     ingest is never cached, so no run reuses another day's data. The whole DAG sits in an exit handler that
@@ -106,14 +108,18 @@ def gr2_pipeline(
     ).set_display_name("record-outcome")
     done.set_caching_options(False)  # an outcome is a fact about this run, never a cached copy
     with dsl.ExitHandler(done, name="run"):
-        ing = ingest(dataset=dataset, profile=profile, snapshot_date=snapshot_date, max_users=max_users)
+        ing = cpu_task(
+            ingest(dataset=dataset, profile=profile, snapshot_date=snapshot_date, max_users=max_users)
+        )
         # Never a cache hit: a nightly schedule passes the same parameters every night (KFP v2 does not expand
         # [[ScheduledTime]] macros, kubeflow/pipelines#12494), so only re-running ingest reads today's data.
         # Downstream tasks are keyed on ingest's fresh artifacts, so they re-run too.
         ing.set_caching_options(False)
-        fs = feast_apply(sources=ing.outputs["sources"], fs_yaml=fs_yaml)
-        ex = extract(
-            sources=ing.outputs["sources"], feature_store=fs.outputs["feature_store"], fs_yaml=fs_yaml
+        fs = cpu_task(feast_apply(sources=ing.outputs["sources"], fs_yaml=fs_yaml))
+        ex = cpu_task(
+            extract(
+                sources=ing.outputs["sources"], feature_store=fs.outputs["feature_store"], fs_yaml=fs_yaml
+            )
         )
         vt = validate(
             sources=ing.outputs["sources"],
@@ -123,7 +129,9 @@ def gr2_pipeline(
             bounds_json=bounds_json,
         ).set_display_name("validate-targets")
         with dsl.If(vt.outputs["Output"] == True, name="targets-valid"):  # noqa: E712 (a KFP condition, not a bool)
-            cand = candidates(sources=ing.outputs["sources"], targets=ex.outputs["targets"], profile=profile)
+            cand = cpu_task(
+                candidates(sources=ing.outputs["sources"], targets=ex.outputs["targets"], profile=profile)
+            )
             ve = validate(
                 sources=ing.outputs["sources"],
                 table=cand.outputs["examples"],
@@ -139,6 +147,7 @@ def gr2_pipeline(
                     dataset,
                     candidate,
                     canary_percent,
+                    deploy_dry_run,
                 )
 
 

@@ -13,10 +13,14 @@ GPU_POOL_VALUE = os.environ.get("GR2_GPU_POOL_VALUE", "gpu")
 GPU_TYPE = os.environ.get("GR2_GPU_TYPE", "nvidia.com/gpu")
 S3_SECRET = os.environ.get("GR2_S3_SECRET", "gr2-s3-credentials")
 S3_SECRET_KEYS = {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"}
+# Where the artifact store is (not secret): a ConfigMap, so gate and deploy read the real production record.
+STORE_CONFIG_MAP = os.environ.get("GR2_STORE_CONFIG_MAP", "gr2-artifact-store")
+STORE_KEYS = {k: k for k in ("S3_ENDPOINT_URL", "GR2_S3_BUCKET", "GR2_S3_PREFIX")}
 
 
 def _common(task):
     kubernetes.use_secret_as_env(task, secret_name=S3_SECRET, secret_key_to_env=S3_SECRET_KEYS)
+    kubernetes.use_config_map_as_env(task, config_map_name=STORE_CONFIG_MAP, config_map_key_to_env=STORE_KEYS)
     return task
 
 

@@ -52,6 +52,8 @@ def ingest(
     """Load a dataset (name or path), compute event times and write the sources folder."""
     t0 = time.perf_counter()
     prof = _profile(profile)
+    # An unset snapshot date is the run's own UTC date: every night's data is stamped with its real date.
+    snapshot_date = snapshot_date or time.strftime("%Y-%m-%d", time.gmtime())
     ds = _slice_users(load_dataset(resolve_dataset(dataset, cache_dir)), max_users)
     meta = sources.write_sources(ds, out_dir, prof.data.history_len, item_tables(ds, prof), snapshot_date)
     meta["seconds"] = round(time.perf_counter() - t0, 2)

@@ -14,16 +14,33 @@ pytestmark = pytest.mark.slow
 
 
 def test_local_run_writes_report(tmp_path):
+    """Every stage of the DAG, on 40 users with the smoke profile (tiny model, a few steps per stage)."""
     data = require_slice()
     res = run_local(
-        str(data), "quick", tmp_path, "smoke", "2026-01-01", SLICE_USERS, json.dumps(SLICE_BOUNDS)
+        str(data), "smoke", tmp_path, "smoke", "2026-01-01", SLICE_USERS, json.dumps(SLICE_BOUNDS)
     )
     rep = res["report"]
     assert rep is not None, res["validation"]
-    assert [r["model"] for r in rep["rows"]] == ["floor", "popularity", "ltr"]
+    assert [(r["model"], r["tau"]) for r in rep["rows"]] == [
+        ("floor", None),
+        ("popularity", None),
+        ("ltr", None),
+        ("ar", None),
+        ("ar_no_trace", None),
+        ("naive", 0.5),
+        ("cft", 1.0),
+        ("cft", 0.5),
+    ]
     for r in rep["rows"]:
         assert 0 <= r["recall@1"] <= r["recall@3"] <= r["recall@5"] <= 1
-        assert r["validity"] == 1.0
+        assert 0 <= r["validity"] <= 1 and (
+            r["validity"] == 1.0 or r["model"] not in ("floor", "popularity", "ltr")
+        )
+    assert {(s["model"], s["batch"]) for s in rep["speed"]} >= {("ar", 1), ("cft", 1), ("ar", 4), ("cft", 4)}
+    # The gate ran on the candidate row and wrote its decision and reasons into the report.
+    assert isinstance(rep["gate"]["passed"], bool) and any(
+        "cft" in x or "floor" in x for x in rep["gate"]["reasons"]
+    )
     floor = rep["rows"][0]
     assert floor["delta_vs_floor"]["recall@1"] == [0.0, 0.0]
     # Hit rate = test examples / users with a test target (>= 2 interactions) in the slice.

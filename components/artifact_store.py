@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from gr2.files import sha256_file
+
 MANIFEST = "manifest.json"
 POINTER = "production.json"
 DEFAULT_PREFIX = "reranker"
@@ -128,14 +130,6 @@ class Manifest:
         return (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_name(what: str, value: str) -> None:
     # run ids and stage names become key segments: no separators, no hidden/relative names
     if not value or "/" in value or value.startswith(".") or value != value.strip():
@@ -175,7 +169,7 @@ class ArtifactStore:
             for p in sorted(src.rglob("*")):
                 if p.is_file():
                     rel = p.relative_to(src).as_posix()
-                    files[rel] = {"sha256": _sha256(p), "size": p.stat().st_size}
+                    files[rel] = {"sha256": sha256_file(p), "size": p.stat().st_size}
                     self.backend.upload_file(f"{base}/{rel}", p)
         if report is not None:
             data = (json.dumps(report, indent=2, sort_keys=True) + "\n").encode()
@@ -250,7 +244,7 @@ class ArtifactStore:
             out = dest / rel
             out.parent.mkdir(parents=True, exist_ok=True)
             self.backend.download_file(f"{base}/{rel}", out)
-            if _sha256(out) != info["sha256"]:
+            if sha256_file(out) != info["sha256"]:
                 raise ArtifactError(f"{self.backend.uri(f'{base}/{rel}')}: sha256 mismatch with the manifest")
         return dest
 

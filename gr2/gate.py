@@ -172,7 +172,9 @@ def run_gate(
     report = read_report(report_path)
     prof = load_profile(profile)
     if "@" not in candidate and sum(r.get("model") == candidate for r in report["rows"]) > 1:
-        candidate = f"{candidate}@{prof.diffusion.eval_tau}"  # a model decoded at several tau: the operating one
+        candidate = (
+            f"{candidate}@{prof.diffusion.eval_tau}"  # a model decoded at several tau: the operating one
+        )
     decision = decide(report["rows"], candidate, data_validation, production, prof.gate)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from gr2.decode import ar_generate, diffusion_generate
@@ -219,7 +218,3 @@ def load_bundle_parts(path: str | Path) -> tuple[torch.nn.Module, Any, SemanticI
 def _load_generative(path: Path, cfg: dict) -> GenerativeReranker:
     model, tok, sids, ev, cfg = load_bundle_parts(path)
     return GenerativeReranker(model, tok, sids, ev, cfg)
-
-
-def mean_tokens(responses: list[list[int]]) -> float:
-    return float(np.mean([len(r) for r in responses])) if responses else 0.0

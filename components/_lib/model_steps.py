@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -107,7 +106,3 @@ def evaluate(
     report["seconds_evaluate_models"] = round(time.perf_counter() - t0, 1)
     write_report(report, out)
     return report
-
-
-def copy_tree(src: str | Path, dst: str | Path) -> None:
-    shutil.copytree(src, dst, dirs_exist_ok=True)

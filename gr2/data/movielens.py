@@ -8,7 +8,6 @@ uniform TSV format under `<cache>/datasets/ml-100k/`.
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import os
@@ -21,19 +20,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from gr2.files import sha256_file
+
 RECBOLE_VERSION = "1.2.1"
 WHEEL_NAME = f"recbole-{RECBOLE_VERSION}-py3-none-any.whl"
 # sha256 of the wheel as published on PyPI (computed once from `pip download`, 2,130,151 bytes).
 WHEEL_SHA256 = "9c9948202011f37eb0a7c6768129313f00d6403ad221ec940d5e2d5d5f33a407"
 _MEMBER = "recbole/dataset_example/ml-100k/ml-100k"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _download_wheel(wheel_dir: Path) -> Path:
@@ -45,7 +38,7 @@ def _download_wheel(wheel_dir: Path) -> Path:
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0 or not wheel.exists():
             raise RuntimeError(f"pip download recbole=={RECBOLE_VERSION} failed:\n{res.stdout}\n{res.stderr}")
-    digest = _sha256(wheel)
+    digest = sha256_file(wheel)
     if digest != WHEEL_SHA256:
         raise RuntimeError(f"{wheel}: sha256 {digest} != expected {WHEEL_SHA256}; delete it and retry")
     return wheel

@@ -24,10 +24,10 @@ $(VENV_STAMP): requirements/lock.txt pyproject.toml
 install: $(VENV_STAMP) ## create .venv from the lock file (idempotent)
 
 run: install ## whole pipeline locally (kfp.local) on the embedded default (MovieLens-100K, quick profile)
-	$(PY) -m pipelines.run_local --profile $(PROFILE) --dataset $(DATASET)
+	$(PY) -m pipelines.run_local --profile $(PROFILE) --dataset $(DATASET) --command "make run"
 
 bench: install ## benchmark profile (DATASET=amazon_beauty by default); writes benchmarks/<dataset>.json/.md
-	$(PY) -m pipelines.run_local --profile bench --dataset $(if $(filter command line,$(origin DATASET)),$(DATASET),$(BENCH_DATASET)) --benchmark-dir benchmarks
+	$(PY) -m pipelines.run_local --profile bench --dataset $(if $(filter command line,$(origin DATASET)),$(DATASET),$(BENCH_DATASET)) --benchmark-dir benchmarks --command "make bench$(if $(filter command line,$(origin DATASET)), DATASET=$(DATASET))"
 
 test: install ## all tests
 	$(PY) -m pytest -q -x --durations=10

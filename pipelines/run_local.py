@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--snapshot-date", default="", help="data version (default: today, UTC)")
     ap.add_argument("--max-users", type=int, default=0, help="first N users only (0 = all)")
     ap.add_argument("--bounds-json", default="{}", help="validation row-count bounds override (JSON)")
+    ap.add_argument("--command", default="", help="the command to record in the report (e.g. 'make bench')")
     a = ap.parse_args(argv)
     res = run_local(
         a.dataset,
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         a.max_users,
         a.bounds_json,
         a.benchmark_dir,
+        a.command,
     )
     if res["report"] is None:
         print(f"\nNo report: validation stopped the pipeline after {res['seconds']} s ({res['run_dir']}).")

@@ -1,10 +1,10 @@
 """The retraining DAG: ingest -> feast apply/materialize -> extract -> validate -> candidates -> validate ->
-evaluate. Every step is a component in components/; `make run` executes this same definition locally with
-kfp.local (pipelines/run_local.py) and `make compile` writes it as cluster YAML (pipelines/cli.py).
+model stages (floor/ltr, SFT data, AR teacher + no-trace ablation, conversion + CFT, evaluation, gate, deploy).
+Every step is a component in components/; `make run` executes this same definition locally with kfp.local
+(pipelines/run_local.py) and `make compile` writes it as cluster YAML (pipelines/cli.py).
 
-Later stages (train_ar_teacher, convert_cft, distill_on_policy, rl, evaluate, gate, deploy) plug in inside
-`_model_stages`, under both validation conditions: they read `examples` (the re-ranking examples table) and
-`sources`, and a failed validation skips them all.
+The model stages sit in `_model_stages`, under both validation conditions: a failed validation skips them all
+(which is why the gate is told data validation passed). OPD and RL (gr2/stages/opd_rl.py) plug in there next.
 """
 
 # no `from __future__ import annotations`: KFP reads the real annotation objects

@@ -182,3 +182,26 @@ def test_trajectory_and_batch_independence(models):
         if EOS in toks[b].tolist():
             e = toks[b].tolist().index(EOS)
             assert (traj[b, : e + 1] >= 0).all()  # everything up to the eos was decoded
+
+
+def test_pluggable_rules_fill_logprobs_and_reject_misuse(models):
+    """A pick/commit rule returning (tokens, log-probs) reproduces greedy decoding and fills `logprobs`."""
+    ar, diff = models
+    ps = prompts(3)
+    greedy, _ = ar_generate(ar, ps, 12, EOS)
+
+    def argmax_pick(logits):
+        lp = logits.float().log_softmax(-1)
+        tok = lp.argmax(-1)
+        return tok, lp.gather(-1, tok[:, None]).squeeze(-1)
+
+    lps = torch.full((3, 12), 7.0)
+    toks, _ = ar_generate(ar, ps, 12, EOS, pick=argmax_pick, logprobs=lps)
+    assert torch.equal(toks, greedy)
+    assert (lps <= 0).all() and (lps[toks != EOS] < 0).any()  # real log-probs written, the 7.0 fill is gone
+    with pytest.raises(ValueError):
+        ar_generate(ar, ps, 12, EOS, logprobs=torch.zeros(3, 12))  # log-probs without a rule
+    with pytest.raises(ValueError):
+        ar_generate(ar, ps, 12, EOS, pick=argmax_pick, logprobs=torch.zeros(3, 5))  # wrong shape
+    with pytest.raises(ValueError):
+        diffusion_generate(diff, ps, 12, BS, 0.9, MASK, EOS, logprobs=torch.zeros(3, 12))

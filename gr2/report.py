@@ -16,11 +16,15 @@ from gr2.metrics import METRICS, evaluate, identity_rankings
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def git_sha(repo: str | Path = REPO_ROOT) -> str:
-    """HEAD commit (with "-dirty" if tracked files changed); "unknown" outside a git checkout."""
+def git_sha(repo: str | Path = REPO_ROOT, short: bool = False) -> str:
+    """HEAD commit (short form if `short`), "-dirty" if tracked files changed; GR2_GIT_SHA overrides (e.g. in
+    an image built without .git); "unknown" outside a git checkout."""
+    if os.environ.get("GR2_GIT_SHA"):
+        return os.environ["GR2_GIT_SHA"]
     try:
+        args = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
         sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10, check=True
+            args, cwd=repo, capture_output=True, text=True, timeout=10, check=True
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],

@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,19 +74,15 @@ def connect(ep: Endpoint):
 
 
 def git_sha(repo: str | Path = REPO_ROOT) -> str:
-    """Short sha of HEAD (GR2_GIT_SHA overrides, e.g. in CI), "-dirty" when the tree has local changes.
+    """Short sha of HEAD (gr2.report.git_sha: GR2_GIT_SHA overrides, "-dirty" on local changes).
 
     Same `git rev-parse --short HEAD` as the Makefile's image TAG, so a version names the images it runs."""
-    if os.environ.get("GR2_GIT_SHA"):
-        return os.environ["GR2_GIT_SHA"]
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=repo, capture_output=True).returncode
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise OpsError(f"cannot read the git sha in {repo} ({e}); set GR2_GIT_SHA") from e
-    return sha + ("-dirty" if dirty else "")
+    from gr2.report import git_sha as _sha
+
+    sha = _sha(repo, short=True)
+    if sha == "unknown":
+        raise OpsError(f"cannot read the git sha in {repo}; set GR2_GIT_SHA")
+    return sha
 
 
 def version_name(sha: str, when: dt.datetime | None = None) -> str:

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from gr2.report import git_sha
 from serving.serve_local import wait_ready
 
 
@@ -100,15 +101,6 @@ async def run_level(
         "rps": round(len(lat) / wall, 2),
         "errors": errors,
     }
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def to_markdown(report: dict[str, Any]) -> str:
@@ -192,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "command": "python -m serving.loadtest " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, python {platform.python_version()}",
-        "git_sha": git_sha(),
+        "git_sha": git_sha(short=True),
         "rows": rows,
     }
     out = Path(a.out)

@@ -10,16 +10,20 @@ from components._image import GPU_COMPONENT_KWARGS
 def evaluate_models(
     examples: Input[Dataset],
     floor_report: Input[Artifact],
+    ar_sft_model: Input[Model],
     ar_model: Input[Model],
     ar_no_trace_model: Input[Model],
     naive_model: Input[Model],
     cft_model: Input[Model],
+    opd_model: Input[Model],
+    rl_model: Input[Model],
     report: Output[Artifact],
     summary: Output[Markdown],
     metrics: Output[Metrics],
     profile: str,
 ):
-    """Decode the test split with every model (AR teacher, no-trace ablation, naive conversion, CFT at each tau),
+    """Decode the test split with every model (AR teacher after SFT and after RL, no-trace ablation, naive
+    conversion, CFT and the RL student at each tau, OPD at the serving tau),
     measure speed in one process, write report.json / report.md / plots; headline numbers to the KFP UI."""
     import base64
     from pathlib import Path
@@ -27,10 +31,13 @@ def evaluate_models(
     from components._lib import model_steps
 
     bundles = {
+        "ar_sft": ar_sft_model.path,
         "ar": ar_model.path,
         "ar_no_trace": ar_no_trace_model.path,
         "naive": naive_model.path,
         "cft": cft_model.path,
+        "opd": opd_model.path,
+        "rl": rl_model.path,
     }
     rep = model_steps.evaluate(examples.path, floor_report.path, bundles, report.path, profile)
     # A self-contained Markdown for the UI: plots inlined as data URIs.

@@ -13,7 +13,7 @@ gr2 prepare-sft --sources ... --examples ... --out runs/x/sft_data
 gr2 train-ar --sft-data runs/x/sft_data --out runs/x/ar [--variant trace|ar_no_trace]
 gr2 convert-cft --ar-model runs/x/ar --sft-data ... --naive-out runs/x/naive --out runs/x/cft
 gr2 evaluate-models --examples ... --floor-report runs/x/report --ar runs/x/ar ... --out runs/x/models
-gr2 gate --report runs/x/models --out runs/x/decision --candidate cft@0.9
+gr2 gate --report runs/x/models --out runs/x/decision --candidate rl@0.9
 gr2 promote --run-id RUN --stage cft  write the production pointer after a passed canary
 gr2 pipeline compile --output build/pipeline.yaml
 gr2 pipeline run-local --dataset ml-100k --profile quick
@@ -226,7 +226,7 @@ def evaluate_models(
 def gate(
     report: Path = typer.Option(..., help="report.json or its folder (from `gr2 evaluate-models`)"),
     out: Path = typer.Option(..., help="where decision.json / report.json / gate.md go"),
-    candidate: str = typer.Option("cft@0.9", help="row to gate: model[@tau]"),
+    candidate: str = typer.Option("rl@0.9", help="row to gate: model[@tau]"),
     data_validation_passed: bool = typer.Option(True, help="result of the data validation"),
     profile: str = typer.Option("quick", help="profile holding the gate thresholds"),
     production_json: str = typer.Option(
@@ -398,7 +398,7 @@ def pipeline_run(
     dataset: str = typer.Option(None, help="pipeline parameter (default: the pipeline's)"),
     profile: str = typer.Option(None, help="quick | bench | a profile path"),
     snapshot_date: str = typer.Option("", help="data version YYYY-MM-DD (default: today, UTC)"),
-    candidate: str = typer.Option(None, help="model the gate judges, e.g. cft@0.9"),
+    candidate: str = typer.Option(None, help="model the gate judges, e.g. rl@0.9"),
     canary_percent: int = typer.Option(None, help="traffic share of the canary"),
     bounds_json: str = typer.Option(None, help="validation row-count bounds (JSON)"),
     max_users: int = typer.Option(None, help="first N users only (0 = all)"),

@@ -4,7 +4,7 @@ Every step is a component in components/; `make run` executes this same definiti
 (pipelines/run_local.py) and `make compile` writes it as cluster YAML (pipelines/cli.py).
 
 The model stages sit in `_model_stages`, under both validation conditions: a failed validation skips them all
-(which is why the gate is told data validation passed). OPD and RL (gr2/stages/opd_rl.py) plug in there next.
+(which is why the gate is told data validation passed).
 """
 
 # no `from __future__ import annotations`: KFP reads the real annotation objects
@@ -14,6 +14,7 @@ from kfp import dsl
 from components.candidates import candidates
 from components.convert_cft import convert_cft
 from components.deploy import deploy
+from components.distill_on_policy import distill_on_policy
 from components.evaluate_floor import evaluate_floor
 from components.evaluate_models import evaluate_models
 from components.extract import extract
@@ -22,6 +23,7 @@ from components.gate import gate
 from components.ingest import ingest
 from components.prepare_sft import prepare_sft
 from components.record_outcome import record_outcome
+from components.rl import rl
 from components.train_ar_teacher import train_ar_teacher
 from components.validate import validate
 from pipelines.resources import cpu_task, gpu_task
@@ -30,28 +32,43 @@ PIPELINE_NAME = "gr2-retraining"
 
 
 def _model_stages(sources, examples, profile, dataset, candidate, canary_percent, deploy_dry_run) -> None:
-    """Model stages on validated examples: floor/ltr table, AR teacher (+ no-trace ablation), conversion + CFT,
-    the stage table with speed, the gate, and (only if the gate passes) the canary deployment."""
+    """Model stages on validated examples (PAPER section 4's stage table): floor/ltr; the AR teacher = SFT
+    (`ar_sft`) + RL (`ar`), and its no-trace ablation; conversion (`naive`) + CFT from the final teacher; OPD
+    from that teacher; RL of the student (`rl`, the deployable model); the table with speed; the gate; and
+    (only if the gate passes) the canary deployment of the RL student."""
     floor = cpu_task(evaluate_floor(sources=sources, examples=examples, profile=profile, dataset=dataset))
     floor.set_display_name("evaluate-floor")
     sft = cpu_task(prepare_sft(sources=sources, examples=examples, profile=profile))
-    ar = gpu_task(train_ar_teacher(sft_data=sft.outputs["sft_data"], profile=profile, variant="trace"))
-    ar.set_display_name("train-ar-teacher")
-    ar_nt = gpu_task(
-        train_ar_teacher(sft_data=sft.outputs["sft_data"], profile=profile, variant="ar_no_trace")
-    )
+    data = sft.outputs["sft_data"]
+    ar_sft = gpu_task(train_ar_teacher(sft_data=data, profile=profile, variant="trace"))
+    ar_sft.set_display_name("train-ar-teacher")
+    ar = gpu_task(rl(in_model=ar_sft.outputs["model"], sft_data=data, examples=examples, profile=profile))
+    ar.set_display_name("rl-ar-teacher")
+    ar_nt = gpu_task(train_ar_teacher(sft_data=data, profile=profile, variant="ar_no_trace"))
     ar_nt.set_display_name("train-ar-no-trace")
-    cft = gpu_task(
-        convert_cft(ar_model=ar.outputs["model"], sft_data=sft.outputs["sft_data"], profile=profile)
+    cft = gpu_task(convert_cft(ar_model=ar.outputs["model"], sft_data=data, profile=profile))
+    opd = gpu_task(
+        distill_on_policy(
+            student_model=cft.outputs["model"],
+            teacher_model=ar.outputs["model"],
+            sft_data=data,
+            examples=examples,
+            profile=profile,
+        )
     )
+    student = gpu_task(rl(in_model=opd.outputs["model"], sft_data=data, examples=examples, profile=profile))
+    student.set_display_name("rl-diffusion")
     ev = gpu_task(
         evaluate_models(
             examples=examples,
             floor_report=floor.outputs["report"],
+            ar_sft_model=ar_sft.outputs["model"],
             ar_model=ar.outputs["model"],
             ar_no_trace_model=ar_nt.outputs["model"],
             naive_model=cft.outputs["naive_model"],
             cft_model=cft.outputs["model"],
+            opd_model=opd.outputs["model"],
+            rl_model=student.outputs["model"],
             profile=profile,
         )
     )
@@ -61,10 +78,10 @@ def _model_stages(sources, examples, profile, dataset, candidate, canary_percent
     with dsl.If(g.outputs["Output"] == True, name="gate-passed"):  # noqa: E712 (a KFP condition, not a bool)
         cpu_task(
             deploy(
-                model=cft.outputs["model"],
+                model=student.outputs["model"],
                 decision=g.outputs["decision"],
                 run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-                stage="cft",
+                stage="rl",
                 canary_percent=canary_percent,
                 dry_run=deploy_dry_run,
             )
@@ -82,7 +99,7 @@ def gr2_pipeline(
     max_users: int = 0,
     fs_yaml: str = "",
     bounds_json: str = "{}",
-    candidate: str = "cft",
+    candidate: str = "rl",
     canary_percent: int = 10,
     deploy_dry_run: bool = True,
 ):

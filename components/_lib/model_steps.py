@@ -3,6 +3,8 @@
 prepare_sft:   sources + examples -> sft_data/ (evidence, semantic IDs, tokenizer, teacher, SFT records)
 train_ar:      sft_data -> AR teacher bundle (GR2 SFT), variant "trace" or "ar_no_trace"
 convert_cft:   AR bundle + sft_data -> naive converted bundle, CFT bundle
+rl:            AR or diffusion bundle + sft_data + examples -> the bundle after GRPO (GR2 stage 3 / PAPER 3.4)
+distill:       diffusion student + AR teacher bundles -> the student after on-policy distillation (PAPER 3.3)
 evaluate:      examples + bundles + the floor report -> the full report (rows, speed, plots)
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -69,6 +72,52 @@ def convert_cft(
     return bundle_meta(cft)["train"]
 
 
+def rl(
+    model_dir: str | Path,
+    sft_dir: str | Path,
+    examples_path: str | Path,
+    out_dir: str | Path,
+    profile: str | Profile,
+) -> dict:
+    """GRPO on training prompts; AR bundles use profile.ar_rl, diffusion bundles profile.rl (out_dir/bundle)."""
+    from gr2.stages.opd_rl import train_rl
+    from gr2.stages.prepare import SFTData
+    from gr2.stages.train_stages import bundle_meta
+
+    bundle = train_rl(
+        bundle_dir(model_dir),
+        SFTData.load(sft_dir),
+        sources.read_table(examples_path),
+        _profile(profile),
+        out_dir,
+    )
+    return bundle_meta(bundle)["train"]
+
+
+def distill(
+    student_dir: str | Path,
+    teacher_dir: str | Path,
+    sft_dir: str | Path,
+    examples_path: str | Path,
+    out_dir: str | Path,
+    profile: str | Profile,
+) -> dict:
+    """OPD of the diffusion student from the frozen AR teacher, KL direction from the profile (out_dir/bundle)."""
+    from gr2.stages.opd_rl import train_opd
+    from gr2.stages.prepare import SFTData
+    from gr2.stages.train_stages import bundle_meta
+
+    bundle = train_opd(
+        bundle_dir(student_dir),
+        bundle_dir(teacher_dir),
+        SFTData.load(sft_dir),
+        sources.read_table(examples_path),
+        _profile(profile),
+        out_dir,
+    )
+    return bundle_meta(bundle)["train"]
+
+
 def evaluate(
     examples_path: str | Path,
     floor_report_dir: str | Path,
@@ -102,6 +151,10 @@ def evaluate(
     curves = plot_training_curves({k: v for k, v in logs.items() if v.exists()}, out / "training_curves.png")
     if curves:
         plots.append(curves)
+    for name, p in paths.items():  # on-policy stages: reward / validity / KL per step
+        rollout_png = p.parent / "train" / "curves.png"
+        if rollout_png.exists():
+            plots.append(Path(shutil.copy(rollout_png, out / f"{name}_rollout_curves.png")))
     report["plots"] = [p.name for p in plots]
     report["seconds_evaluate_models"] = round(time.perf_counter() - t0, 1)
     write_report(report, out)

@@ -78,7 +78,8 @@ def measure_speed(
 def evaluate_generative(
     bundles: dict[str, str | Path], test: pd.DataFrame, profile: Profile
 ) -> tuple[list[dict], list[dict]]:
-    """Rows for every bundle (AR models decoded AR; diffusion models at each tau) and the speed list.
+    """Rows for every bundle (AR models decoded AR; diffusion models at each tau, naive and opd at eval_tau)
+    and the speed list.
 
     `bundles` maps a row name to a bundle; the AR teacher must be under "ar" (the speed baseline)."""
     if "ar" not in bundles:
@@ -93,9 +94,9 @@ def evaluate_generative(
     for name, m in models.items():
         if m.block_size == 0:
             plans.append((name, "ar", None))
-        elif name == "naive":
+        elif name in ("naive", "opd"):  # intermediate stages: the serving tau only
             plans.append((name, "diffusion", dc.eval_tau))
-        else:
+        else:  # cft and the final student: the whole tau sweep
             plans += [(name, "diffusion", t) for t in dc.taus]
     for name, decoder, tau in plans:
         log.info("evaluate %s (%s, tau=%s) on %d test lists", name, decoder, tau, len(test))

@@ -10,7 +10,15 @@ from components._image import BASE_IMAGE, TRAIN_IMAGE
 from pipelines.pipeline import PIPELINE_NAME, compile_pipeline
 from pipelines.resources import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TYPE, S3_SECRET
 
-GPU_STEPS = ["train-ar-teacher", "train-ar-no-trace", "convert-cft", "evaluate-models"]
+GPU_STEPS = [
+    "train-ar-teacher",
+    "rl-ar-teacher",
+    "train-ar-no-trace",
+    "convert-cft",
+    "distill-on-policy",
+    "rl-diffusion",
+    "evaluate-models",
+]
 
 
 @pytest.fixture(scope="module")

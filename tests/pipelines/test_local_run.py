@@ -25,21 +25,31 @@ def test_local_run_writes_report(tmp_path):
         ("floor", None),
         ("popularity", None),
         ("ltr", None),
+        ("ar_sft", None),
         ("ar", None),
         ("ar_no_trace", None),
         ("naive", 0.5),
         ("cft", 1.0),
         ("cft", 0.5),
+        ("opd", 0.5),
+        ("rl", 1.0),
+        ("rl", 0.5),
     ]
     for r in rep["rows"]:
         assert 0 <= r["recall@1"] <= r["recall@3"] <= r["recall@5"] <= 1
         assert 0 <= r["validity"] <= 1 and (
             r["validity"] == 1.0 or r["model"] not in ("floor", "popularity", "ltr")
         )
-    assert {(s["model"], s["batch"]) for s in rep["speed"]} >= {("ar", 1), ("cft", 1), ("ar", 4), ("cft", 4)}
+    assert {(s["model"], s["batch"]) for s in rep["speed"]} >= {
+        ("ar", 1),
+        ("cft", 1),
+        ("rl", 1),
+        ("ar", 4),
+        ("rl", 4),
+    }
     # The gate ran on the candidate row and wrote its decision and reasons into the report.
     assert isinstance(rep["gate"]["passed"], bool) and any(
-        "cft" in x or "floor" in x for x in rep["gate"]["reasons"]
+        "rl" in x or "floor" in x for x in rep["gate"]["reasons"]
     )
     floor = rep["rows"][0]
     assert floor["delta_vs_floor"]["recall@1"] == [0.0, 0.0]

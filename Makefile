@@ -44,7 +44,10 @@ compile: install ## compile the KFP pipeline to YAML (build/pipeline.yaml)
 	$(PY) -m pipelines.cli pipeline compile --output build/pipeline.yaml
 
 # The gated diffusion model of the newest run (override: make serve MODEL=path/to/bundle).
-MODEL ?= $(shell ls -td runs/latest/kfp/*/convert-cft/model 2>/dev/null | head -1)
+bundle_named = $(shell grep -l '"name": "$(1)"' runs/latest/kfp/*/*/model/bundle/reranker.json 2>/dev/null | head -1 | xargs -r dirname)
+MODEL ?= $(call bundle_named,rl)
+# The AR teacher (SFT + RL) of that run: the load test's AR baseline.
+AR_MODEL ?= $(call bundle_named,ar)
 FEAST_REPO ?= $(shell ls -td runs/latest/kfp/*/feast-apply/feature_store 2>/dev/null | head -1)
 EXAMPLES ?= $(shell ls -td runs/latest/kfp/*/candidates/examples 2>/dev/null | head -1)
 
@@ -54,7 +57,7 @@ serve: install ## serve the newest run's model on 127.0.0.1:8080 (predictor + Fe
 
 loadtest: install ## AR vs diffusion load test over HTTP on 127.0.0.1 -> benchmarks/serving.json/.md
 	@test -n "$(MODEL)" || { echo "no model: run 'make run' first or pass MODEL=<bundle dir>"; exit 2; }
-	$(PY) -m serving.loadtest --model_uri $(MODEL) $(if $(EXAMPLES),--examples $(EXAMPLES)) --out benchmarks/serving
+	$(PY) -m serving.loadtest --model_uri $(MODEL) $(if $(AR_MODEL),--ar_model_uri $(AR_MODEL)) $(if $(EXAMPLES),--examples $(EXAMPLES)) --out benchmarks/serving
 
 TAG ?= $(shell git rev-parse --short HEAD)
 REGISTRY ?= ghcr.io/diffusion-gr2

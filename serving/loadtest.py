@@ -1,8 +1,8 @@
 """Load test (a benchmark, not a test): concurrent HTTP clients against the re-ranking server, per decoder.
 
-    python -m serving.loadtest --model_uri runs/<id>/model --decoders ar diffusion --concurrency 1 2 4 8 \
-        --requests 200 --out benchmarks/serving
-starts the predictor on 127.0.0.1 (or use --url for a running server / the transformer), sends v1 requests
+    python -m serving.loadtest --model_uri <diffusion bundle> --ar_model_uri <AR teacher bundle> \
+        --decoders ar diffusion --concurrency 1 2 4 8 --requests 200 --out benchmarks/serving
+starts the predictor (one model at a time: the AR rows decode the AR teacher) on 127.0.0.1 (or use --url for a running server / the transformer), sends v1 requests
 built from real examples (--examples parquet: user_id, history, candidates) or from the model's item catalogue,
 and writes <out>.json / <out>.md: rows of decoder, tau, concurrency, p50_ms, p95_ms, p99_ms, rps, errors,
 plus the command, machine and git sha.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +105,23 @@ async def run_level(
     }
 
 
+def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per concurrency measured for both decoders: diffusion p50 / AR p50 and diffusion req/s / AR req/s."""
+    by = {(r["decoder"], r["concurrency"]): r for r in rows}
+    out = []
+    for (dec, c), d in sorted(by.items(), key=lambda kv: kv[0][1]):
+        ar = by.get(("ar", c))
+        if dec == "diffusion" and ar is not None and ar["p50_ms"] > 0 and ar["rps"] > 0:
+            out.append(
+                {
+                    "concurrency": c,
+                    "p50_ratio": round(d["p50_ms"] / ar["p50_ms"], 3),
+                    "rps_ratio": round(d["rps"] / ar["rps"], 3),
+                }
+            )
+    return out
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Serving load test",
@@ -118,13 +137,46 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"| {r['decoder']} | {r['tau']} | {r['concurrency']} | {r['p50_ms']} | {r['p95_ms']} | "
             f"{r['p99_ms']} | {r['rps']} | {r['errors']} |"
         )
+    if report.get("diffusion_vs_ar"):
+        lines += [
+            "",
+            "| concurrency | diffusion p50 / AR p50 | diffusion req/s / AR req/s |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {c['concurrency']} | {c['p50_ratio']} | {c['rps_ratio']} |" for c in report["diffusion_vs_ar"]
+        ]
     return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def _server(a: argparse.Namespace, model_uri: str | None) -> Iterator[str]:
+    """The URL of a ready server: --url as given, or the predictor started on a free loopback port."""
+    if a.url is not None:
+        wait_ready(f"{a.url}/v1/models/{a.model_name}", timeout_s=300)
+        yield a.url
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "serving.serve_local", "--role", "predictor", "--model_uri", model_uri]
+    cmd += ["--model_name", a.model_name, "--port", str(port)]
+    cmd += ["--max_batch", str(a.max_batch), "--max_wait_ms", str(a.max_wait_ms)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(f"{url}/v1/models/{a.model_name}", timeout_s=300, proc=proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="a running server; default: start the predictor for --model_uri")
     ap.add_argument("--model_uri")
+    ap.add_argument("--ar_model_uri", help="the AR teacher bundle for the 'ar' rows (default: --model_uri)")
     ap.add_argument("--model_name", default="reranker")
     ap.add_argument("--examples", help="examples parquet to draw requests from")
     ap.add_argument("--decoders", nargs="+", default=["ar", "diffusion"])
@@ -137,55 +189,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default="benchmarks/serving")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    proc = None
-    url = a.url
-    if url is None:
-        if not a.model_uri:
-            sys.exit("give --url or --model_uri")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "serving.serve_local",
-                "--role",
-                "predictor",
-                "--model_uri",
-                a.model_uri,
-                "--model_name",
-                a.model_name,
-                "--port",
-                str(port),
-                "--max_batch",
-                str(a.max_batch),
-                "--max_wait_ms",
-                str(a.max_wait_ms),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(f"{url}/v1/models/{a.model_name}", timeout_s=300, proc=proc)
-        instances = load_instances(a.examples, a.model_uri, a.requests, a.n_candidates, a.seed)
-        rows = []
-        for decoder in a.decoders:
+    if a.url is None and not a.model_uri:
+        sys.exit("give --url or --model_uri")
+    rows = []
+    for decoder in a.decoders:
+        # AR rows decode the AR teacher (--ar_model_uri) when given: the student's own AR decoding is not the
+        # baseline the diffusion decoder is meant to beat. Same server code, same requests, same settings.
+        uri = a.ar_model_uri if decoder == "ar" and a.ar_model_uri else a.model_uri
+        with _server(a, uri) as url:
+            instances = load_instances(a.examples, uri, a.requests, a.n_candidates, a.seed)
             asyncio.run(run_level(url, a.model_name, instances, decoder, a.tau, 1, 3))  # warm-up
             for c in a.concurrency:
                 row = asyncio.run(run_level(url, a.model_name, instances, decoder, a.tau, c, a.requests))
+                row["model_uri"] = uri
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=15)
     report = {
         "command": "python -m serving.loadtest " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, python {platform.python_version()}",
         "git_sha": git_sha(short=True),
         "rows": rows,
+        "diffusion_vs_ar": compare(rows),
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,7 @@ def train_ar_teacher(data: SFTData, profile: Profile, out_dir: str | Path, varia
         model, records, partial(collate, pad_id=tok.pad_token_id), ar_batch_loss, profile.sft, out / "train"
     )
     meta = {
-        "name": "ar" if variant == "trace" else "ar_no_trace",
+        "name": "ar_sft" if variant == "trace" else "ar_no_trace",  # "ar" once RL (GR2 stage 3) ran
         "stage": "sft",
         "variant": variant,
         "n_candidates": profile.data.n_candidates,

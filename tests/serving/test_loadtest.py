@@ -47,7 +47,23 @@ def test_tiny_run_writes_report(predictor, model_dir, tmp_path):
         ("diffusion", 4),
     ]
     for r in rows:
-        assert set(r) == {"decoder", "tau", "concurrency", "n", "p50_ms", "p95_ms", "p99_ms", "rps", "errors"}
+        keys = {
+            "decoder",
+            "tau",
+            "concurrency",
+            "n",
+            "p50_ms",
+            "p95_ms",
+            "p99_ms",
+            "rps",
+            "errors",
+            "model_uri",
+        }
+        assert set(r) == keys
         assert r["errors"] == 0 and r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"] and r["rps"] > 0
     assert rows[0]["tau"] is None and rows[2]["tau"] == 0.9
     assert "| diffusion | 0.9 | 4 |" in out.with_suffix(".md").read_text()
+    ratios = report["diffusion_vs_ar"]
+    assert [c["concurrency"] for c in ratios] == [1, 4]
+    assert ratios[0]["p50_ratio"] == round(rows[2]["p50_ms"] / rows[0]["p50_ms"], 3)
+    assert ratios[1]["rps_ratio"] == round(rows[3]["rps"] / rows[1]["rps"], 3)

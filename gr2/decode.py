@@ -107,6 +107,7 @@ def ar_generate(
             position_ids=position_ids_for(pad_lens, cols),
             cache=cache,
             use_cache=use_cache,
+            logits_to_keep=1,  # the LM head on the last column only (the prefill would project all P)
         ).logits[:, -1]
         nfe += 1
         fed = seq.shape[1]
@@ -212,6 +213,7 @@ def diffusion_generate(
             position_ids=position_ids_for(pad_lens, cols),
             cache=cache,
             use_cache=True,
+            logits_to_keep=1,
         ).logits[:, -1]
         nfe += 1
 
@@ -252,13 +254,17 @@ def diffusion_generate(
                     position_ids=position_ids_for(pad_lens, cols),
                     cache=cache,
                     use_cache=True,
+                    # Only the last cl + 1 columns' logits are read (the finished block's last column = the
+                    # new anchor, then canvas 0..cl-2); skip the LM head for the rest of the finished block.
+                    logits_to_keep=cl + 1 if pending else cl,
                 ).logits
                 nfe += 1
                 _crop_to(cache, P + s0)  # keep prompt + finished blocks, drop the canvas
                 if pending:
-                    anchor = logits[:, n_pend - 1]
+                    anchor = logits[:, 0]
+                    logits = logits[:, 1:]
                     pending = False
-                shifted = torch.cat([anchor[:, None], logits[:, n_pend : n_pend + cl - 1]], dim=1)
+                shifted = torch.cat([anchor[:, None], logits[:, : cl - 1]], dim=1)
             else:  # only position 0 masked: its logits (anchor) do not depend on the canvas
                 shifted = anchor[:, None]
             masked = masked[:, : shifted.shape[1]]

@@ -3,7 +3,7 @@
 Prompt (whitespace-separated closed-vocabulary tokens, ~200 tokens for H = 20, N = 10, 6 features):
     history <a_3> <b_17> <c_9> <d_0> ... candidates [A] <a_..> <b_..> <c_..> <d_..> <trans_3> <co_1> ... [B] ...
 Response = trace then answer (the answer is valid JSON once the tokens are joined by spaces):
-    step 1 : [C] follows last item <trans_3> ; co-occurs with history <co_2> ; step 2 : ... top [C] [A] [F]
+    step 1 : [C] follows-last-item <trans_3> co-occurs-with-history <co_2> ; step 2 : ... ; top [C] [A] [F]
     { "ranking" : [ "C" , "A" , ... ] }
 """
 
@@ -21,7 +21,7 @@ from gr2.sid import sid_token
 # --- vocabulary pieces --------------------------------------------------------------------------------------
 HISTORY, CANDIDATES, TOP = "history", "candidates", "top"
 STEP, COLON, SEMI = "step", ":", ";"
-NO_SIGNAL = "no strong signal"
+NO_SIGNAL = "no-strong-signal"
 JSON_TOKENS = ["{", "}", '"ranking"', ":", "[", "]", ","]
 
 # Evidence feature name -> short token stem, matched by keyword in order (the evidence module owns the names).
@@ -39,16 +39,18 @@ _ALIAS_RULES = [
     ("rank", "rank"),
     ("recen", "rec"),
 ]
-# What a strong bucket of each feature means, in words (the trace vocabulary).
+# What a strong bucket of each feature means, in words (the trace vocabulary). Each phrase is ONE token: a
+# multi-word phrase ("follows" "last" "item") makes the block-diffusion decoder commit its words one round at a
+# time (each word depends on the one before it), and its words carry nothing the single token does not.
 FEATURE_PHRASES = {
-    "trans": "follows last item",
-    "trec": "follows recent items",
-    "co": "co-occurs with history",
-    "pop": "is popular",
-    "cat": "shares category with history",
-    "sim": "similar to history",
-    "rank": "ranked high by retriever",
-    "rec": "matches recent items",
+    "trans": "follows-last-item",
+    "trec": "follows-recent-items",
+    "co": "co-occurs-with-history",
+    "pop": "is-popular",
+    "cat": "shares-category-with-history",
+    "sim": "similar-to-history",
+    "rank": "ranked-high-by-retriever",
+    "rec": "matches-recent-items",
 }
 
 
@@ -76,7 +78,7 @@ def feature_aliases(feature_names: Sequence[str] | None, n_features: int) -> lis
 
 
 def feature_phrase(alias: str) -> str:
-    return FEATURE_PHRASES.get(alias.rstrip("0123456789"), f"{alias} signal")
+    return FEATURE_PHRASES.get(alias.rstrip("0123456789"), f"{alias}-signal")
 
 
 def bucket_token(alias: str, bucket: int) -> str:

@@ -195,7 +195,7 @@ def make_trace(
 ) -> str:
     """Structured steps citing the top_k candidates of `ranking` with their strongest evidence, then the top list:
 
-        step 1 : [C] follows last item <trans_3> co-occurs with history <co_2> ; step 2 : ... ; top [C] [A] [F]
+        step 1 : [C] follows-last-item <trans_3> co-occurs-with-history <co_2> ; step 2 : ... ; top [C] [A] [F]
 
     A feature is cited for a candidate when its bucket is > 0 and it raised that candidate's score
     (contributions [N, F], e.g. Teacher.contributions; default: the buckets themselves), strongest first.

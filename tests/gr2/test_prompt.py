@@ -23,7 +23,7 @@ from gr2.prompt import (
 from gr2.tokenizer import build_tokenizer
 
 K = 16
-TRACE = "step 1 : [C] follows last item <trans_3> co-occurs with history <co_2> ; top [C] [A] [F]"
+TRACE = "step 1 : [C] follows-last-item <trans_3> co-occurs-with-history <co_2> ; top [C] [A] [F]"
 
 
 @pytest.fixture(scope="module")

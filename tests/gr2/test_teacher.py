@@ -84,9 +84,9 @@ def test_make_trace_cites_top_candidates_with_evidence():
     contrib[0] = [0.0, 0.8, -0.1, 0.3]
     trace = make_trace(b, np.zeros(10), [2, 0, 5, 1, 3, 4, 6, 7, 8, 9], NAMES, contrib, top_k=3)
     assert trace == (
-        "step 1 : [C] follows last item <trans_3> co-occurs with history <co_2> ; "
-        "step 2 : [A] co-occurs with history <co_3> ; "
-        "step 3 : [F] no strong signal ; top [C] [A] [F]"
+        "step 1 : [C] follows-last-item <trans_3> co-occurs-with-history <co_2> ; "
+        "step 2 : [A] co-occurs-with-history <co_3> ; "
+        "step 3 : [F] no-strong-signal ; top [C] [A] [F]"
     )
     tok = build_tokenizer((4, 4, 4, 1), NAMES)
     assert tok.unk_token_id not in tok(trace, add_special_tokens=False)["input_ids"]

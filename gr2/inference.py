@@ -12,6 +12,7 @@ model for wiring up serving before a trained model exists.
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -59,6 +60,10 @@ class RerankerLoadError(ValueError):
 _LOADERS: dict[str, Callable[[Path, dict], Reranker]] = {}
 
 
+# Kinds whose loader lives in a heavier module (torch, transformers), imported on first use.
+_KIND_MODULES = {"generative": "gr2.generative"}
+
+
 def register_reranker(
     kind: str,
 ) -> Callable[[Callable[[Path, dict], Reranker]], Callable[[Path, dict], Reranker]]:
@@ -89,6 +94,8 @@ def load_reranker(path: str | Path) -> Reranker:
     """Load the reranker stored in the model directory `path`, dispatching on `reranker.json`'s `kind`."""
     path = Path(path)
     cfg = read_config(path)
+    if cfg["kind"] in _KIND_MODULES and cfg["kind"] not in _LOADERS:
+        importlib.import_module(_KIND_MODULES[cfg["kind"]])  # registers its loader (kept out of import time)
     loader = _LOADERS.get(cfg["kind"])
     if loader is None:
         raise RerankerLoadError(

@@ -33,6 +33,39 @@ def _latest(pattern: str, root: Path) -> Path | None:
     return hits[-1] if hits else None
 
 
+def _serve_smoke(root: Path, report: dict, run_dir: Path) -> dict | None:
+    """Serve the DAG's deployable model (the bundle named like the gate's candidate, default the RL student)
+    with the run's online store; the gate's verdict says whether a cluster would have received it."""
+    from serving.smoke_local import smoke
+
+    want = str((report.get("gate") or {}).get("candidate") or "rl").split("@")[0]
+    bundles = [
+        p.parent
+        for p in sorted(root.glob("**/model/bundle/reranker.json"))
+        if json.loads(p.read_text()).get("name") == want
+    ]
+    store, examples = _latest("**/feast-apply/feature_store", root), _latest("**/candidates/examples", root)
+    if not bundles or store is None or examples is None:
+        return None
+    res = smoke(bundles[-1], store, examples, log=run_dir / "serving_smoke.log")
+    res["gate_passed"] = bool((report.get("gate") or {}).get("passed"))
+    return res
+
+
+def _smoke_markdown(s: dict) -> str:
+    verdict = (
+        "deployed (gate passed)"
+        if s["gate_passed"]
+        else "NOT deployed (gate failed): served for this check only"
+    )
+    return (
+        f"\n## Local serving check\n\nModel `{Path(s['model_uri']).parent.parent.name}` {verdict}, behind the Feast "
+        f"transformer on {s['url']}: {s['ok']}/{s['requests']} v1 requests answered 200 ({s['valid']} valid "
+        f"outputs, {s['with_history']} with history read from the online store, p50 {s['p50_ms']} ms); v2 "
+        f"{s['v2_status']}; malformed JSON {s['malformed_status']}, next request {s['status_after_malformed']}.\n"
+    )
+
+
 def run_local(
     dataset: str = "ml-100k",
     profile: str = "quick",
@@ -43,8 +76,12 @@ def run_local(
     bounds_json: str = "{}",
     benchmark_dir: str | None = None,
     command: str = "",
+    serve_smoke: bool = True,
 ) -> dict:
-    """Execute the pipeline locally; returns {"run_dir", "report" (or None), "validation", "seconds"}."""
+    """Execute the pipeline locally; returns {"run_dir", "report" (or None), "validation", "seconds"}.
+
+    serve_smoke: then serve the deployable model on 127.0.0.1 behind the Feast transformer and send it real
+    requests (serving/smoke_local.py); the summary goes into the report as `serving_smoke`."""
     from kfp import local
 
     from pipelines.pipeline import gr2_pipeline
@@ -78,12 +115,16 @@ def run_local(
         report["pipeline_seconds"] = round(seconds, 1)
         from gr2.report import write_report
 
+        if serve_smoke:
+            report["serving_smoke"] = _serve_smoke(root, report, run_dir)
         evaluated = _latest("**/report/report.json", root)
         for png in sorted(evaluated.parent.glob("*.png")) if evaluated else []:
             shutil.copy(png, run_dir / png.name)  # the plots the report links to
         write_report(run_dir, report)  # runs/<id>/report.json + .md, and runs/latest -> <id>
         with open(run_dir / "report.md", "a") as f:
             f.write(f"\nRun `{run_id}`, pipeline {seconds:.0f} s, command `{report['command']}`.\n")
+            if report.get("serving_smoke"):
+                f.write(_smoke_markdown(report["serving_smoke"]))
         out["report"] = report
         if benchmark_dir:
             bench = Path(benchmark_dir)
@@ -108,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-users", type=int, default=0, help="first N users only (0 = all)")
     ap.add_argument("--bounds-json", default="{}", help="validation row-count bounds override (JSON)")
     ap.add_argument("--command", default="", help="the command to record in the report (e.g. 'make bench')")
+    ap.add_argument("--no-serve-smoke", action="store_true", help="skip serving the model after the run")
     a = ap.parse_args(argv)
     res = run_local(
         a.dataset,
@@ -119,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         a.bounds_json,
         a.benchmark_dir,
         a.command,
+        not a.no_serve_smoke,
     )
     if res["report"] is None:
         print(f"\nNo report: validation stopped the pipeline after {res['seconds']} s ({res['run_dir']}).")

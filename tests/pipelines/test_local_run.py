@@ -63,6 +63,12 @@ def test_local_run_writes_report(tmp_path):
     assert floor["n_users"] == ret["n_test_examples"]
     assert [v["passed"] for v in res["validation"]] == [True, True]
     assert (tmp_path / "smoke" / "report.md").exists() and (tmp_path / "latest").resolve().name == "smoke"
+    # Then the RL student was served on loopback behind the Feast transformer and answered real requests.
+    s = rep["serving_smoke"]
+    assert s["requests"] > 0 and s["ok"] == s["requests"] and s["with_history"] >= 1
+    assert s["v2_status"] == 200 and 400 <= s["malformed_status"] < 500 and s["status_after_malformed"] == 200
+    assert s["example"]["model"] == "rl" and s["gate_passed"] == rep["gate"]["passed"]
+    assert "## Local serving check" in (tmp_path / "smoke" / "report.md").read_text()
 
 
 def test_failed_validation_stops_the_pipeline(tmp_path):

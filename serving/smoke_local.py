@@ -1,0 +1,119 @@
+"""The end of `make run`: serve the run's model on 127.0.0.1 and send it real requests through the transformer.
+
+    python -m serving.smoke_local --model_uri <bundle> --feast_repo <feature_store dir> --examples <parquet>
+
+Starts `serving.serve_local` (the Feast transformer in front of the predictor, both on loopback ports), sends
+test users' candidate lists over v1 and v2 with only `user_id` + `candidates` (the transformer reads each
+user's history from the run's online store), one malformed request that must get a 4xx, and a good request
+after it (the server stayed up). Returns a summary that run_local writes into the run's report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from serving.serve_local import wait_ready
+
+MODEL_NAME = "reranker"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _instances(examples: str | Path, n: int) -> list[dict[str, Any]]:
+    import pandas as pd
+
+    df = pd.read_parquet(examples, columns=["user_id", "candidates", "split"])
+    df = df[df["split"] == "test"].head(n)
+    return [
+        {"user_id": str(r.user_id), "candidates": [str(c) for c in r.candidates]} for r in df.itertuples()
+    ]
+
+
+def _v2_body(instances: list[dict[str, Any]]) -> dict[str, Any]:
+    data = [json.dumps(i) for i in instances]
+    return {"inputs": [{"name": "instances", "shape": [len(data)], "datatype": "BYTES", "data": data}]}
+
+
+def smoke(
+    model_uri: str | Path,
+    feast_repo: str | Path,
+    examples: str | Path,
+    n_requests: int = 8,
+    log: Path | None = None,
+) -> dict[str, Any]:
+    """Serve `model_uri` behind the Feast transformer, send real requests, stop. Raises if the server never
+    became ready; request failures are counted in the summary, not raised (the report shows them)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "serving.serve_local", "--model_uri", str(model_uri)]
+    cmd += ["--feast_repo", str(feast_repo), "--port", str(port), "--predictor_port", str(_free_port())]
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in finally)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(f"{url}/v1/models/{MODEL_NAME}", timeout_s=300, proc=proc)
+        insts = _instances(examples, n_requests)
+        lat, preds, codes = [], [], []
+        with httpx.Client(timeout=120) as http:
+            for inst in insts:
+                t0 = time.perf_counter()
+                r = http.post(f"{url}/v1/models/{MODEL_NAME}:predict", json={"instances": [inst]})
+                lat.append((time.perf_counter() - t0) * 1000)
+                codes.append(r.status_code)
+                if r.status_code == 200:
+                    preds.append(r.json()["predictions"][0])
+            r2 = http.post(f"{url}/v2/models/{MODEL_NAME}/infer", json=_v2_body(insts[:2]))
+            bad = http.post(
+                f"{url}/v1/models/{MODEL_NAME}:predict",
+                content=b'{"instances": [{"user_id": ',
+                headers={"content-type": "application/json"},
+            )
+            after = http.post(f"{url}/v1/models/{MODEL_NAME}:predict", json={"instances": insts[:1]})
+        lat.sort()
+        return {
+            "url": url,
+            "model_uri": str(model_uri),
+            "requests": len(insts),
+            "ok": sum(c == 200 for c in codes),
+            "valid": sum(bool(p.get("valid")) for p in preds),
+            "with_history": sum(int(p.get("history_len") or 0) > 0 for p in preds),
+            "p50_ms": round(lat[len(lat) // 2], 1) if lat else None,
+            "v2_status": r2.status_code,
+            "malformed_status": bad.status_code,
+            "status_after_malformed": after.status_code,
+            "example": preds[0] if preds else None,
+        }
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        if log:
+            out.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model_uri", required=True)
+    ap.add_argument("--feast_repo", required=True)
+    ap.add_argument("--examples", required=True)
+    ap.add_argument("--requests", type=int, default=8)
+    a = ap.parse_args(argv)
+    res = smoke(a.model_uri, a.feast_repo, a.examples, a.requests)
+    print(json.dumps(res, indent=2))
+    ok = res["ok"] == res["requests"] and res["v2_status"] == 200 and res["status_after_malformed"] == 200
+    return 0 if ok and 400 <= res["malformed_status"] < 500 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

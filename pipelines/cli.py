@@ -14,7 +14,7 @@ gr2 train-ar --sft-data runs/x/sft_data --out runs/x/ar [--variant trace|ar_no_t
 gr2 convert-cft --ar-model runs/x/ar --sft-data ... --naive-out runs/x/naive --out runs/x/cft
 gr2 evaluate-models --examples ... --floor-report runs/x/report --ar runs/x/ar ... --out runs/x/models
 gr2 gate --report runs/x/models --out runs/x/decision --candidate rl@0.9
-gr2 promote --run-id RUN --stage cft  write the production pointer after a passed canary
+gr2 promote --run-id RUN --stage rl   write the production pointer after a passed canary
 gr2 pipeline compile --output build/pipeline.yaml
 gr2 pipeline run-local --dataset ml-100k --profile quick
 gr2 pipeline upload   [--host $KFP_HOST]          compile + upload a version named <date>-<git sha>

@@ -38,7 +38,8 @@ def _serve_smoke(root: Path, report: dict, run_dir: Path) -> dict | None:
     with the run's online store; the gate's verdict says whether a cluster would have received it."""
     from serving.smoke_local import smoke
 
-    want = str((report.get("gate") or {}).get("candidate") or "rl").split("@")[0]
+    decision = _latest("**/decision/decision.json", root)
+    want = json.loads(decision.read_text())["candidate"].split("@")[0] if decision else "rl"
     bundles = [
         p.parent
         for p in sorted(root.glob("**/model/bundle/reranker.json"))

@@ -18,8 +18,6 @@ import math
 import os
 import platform
 import random
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -29,7 +27,7 @@ from typing import Any
 import httpx
 
 from gr2.report import git_sha
-from serving.serve_local import wait_ready
+from serving.serve_local import free_port, running, wait_ready
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -156,20 +154,10 @@ def _server(a: argparse.Namespace, model_uri: str | None) -> Iterator[str]:
         wait_ready(f"{a.url}/v1/models/{a.model_name}", timeout_s=300)
         yield a.url
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "serving.serve_local", "--role", "predictor", "--model_uri", model_uri]
-    cmd += ["--model_name", a.model_name, "--port", str(port)]
-    cmd += ["--max_batch", str(a.max_batch), "--max_wait_ms", str(a.max_wait_ms)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(f"{url}/v1/models/{a.model_name}", timeout_s=300, proc=proc)
+    args = ["--role", "predictor", "--model_uri", model_uri, "--model_name", a.model_name]
+    args += ["--port", str(free_port()), "--max_batch", str(a.max_batch), "--max_wait_ms", str(a.max_wait_ms)]
+    with running(args, a.model_name) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -11,11 +11,15 @@ Without --feast_repo/--feast_url, `all` serves the predictor alone on --port.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 from serving.schema import ServeConfig
 
@@ -36,6 +40,33 @@ def wait_ready(url: str, timeout_s: float = 60.0, proc: subprocess.Popen | None 
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url} not ready after {timeout_s}s")
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(args: list[str], model_name: str, log: Path | None = None) -> Iterator[str]:
+    """Run `python -m serving.serve_local <args>` (args must set --port) until the block exits; yields its URL
+    once /v1/models/<model_name> answers. Output goes to `log` (or is discarded)."""
+    port = args[args.index("--port") + 1]
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in finally)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving.serve_local", *args], stdout=out, stderr=subprocess.STDOUT
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(f"{url}/v1/models/{model_name}", timeout_s=300, proc=proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        if log:
+            out.close()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

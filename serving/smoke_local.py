@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,15 +19,9 @@ from typing import Any
 
 import httpx
 
-from serving.serve_local import wait_ready
+from serving.serve_local import free_port, running
 
 MODEL_NAME = "reranker"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _instances(examples: str | Path, n: int) -> list[dict[str, Any]]:
@@ -56,14 +48,9 @@ def smoke(
 ) -> dict[str, Any]:
     """Serve `model_uri` behind the Feast transformer, send real requests, stop. Raises if the server never
     became ready; request failures are counted in the summary, not raised (the report shows them)."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "serving.serve_local", "--model_uri", str(model_uri)]
-    cmd += ["--feast_repo", str(feast_repo), "--port", str(port), "--predictor_port", str(_free_port())]
-    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in finally)
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(f"{url}/v1/models/{MODEL_NAME}", timeout_s=300, proc=proc)
+    args = ["--model_uri", str(model_uri), "--feast_repo", str(feast_repo)]
+    args += ["--port", str(free_port()), "--predictor_port", str(free_port())]
+    with running(args, MODEL_NAME, log) as url:
         insts = _instances(examples, n_requests)
         lat, preds, codes = [], [], []
         with httpx.Client(timeout=120) as http:
@@ -95,11 +82,6 @@ def smoke(
             "status_after_malformed": after.status_code,
             "example": preds[0] if preds else None,
         }
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
-        if log:
-            out.close()
 
 
 def main(argv: list[str] | None = None) -> int:

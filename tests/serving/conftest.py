@@ -5,7 +5,6 @@ predictor + transformer running as real HTTP servers on 127.0.0.1 in subprocesse
 from __future__ import annotations
 
 import datetime as dt
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,19 +13,13 @@ import pandas as pd
 import pytest
 
 from gr2.inference import FloorReranker
-from serving.serve_local import wait_ready
+from serving.serve_local import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data" / "ml-latest-small"
 N_USERS = 200
 H = 20
 MODEL = "reranker"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

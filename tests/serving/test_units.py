@@ -131,7 +131,7 @@ def test_transformer_via_feast_http_feature_server(feast_repo, ml_slice, tmp_pat
     from pathlib import Path
 
     from serving.serve_local import wait_ready
-    from tests.serving.conftest import free_port
+    from serving.serve_local import free_port
 
     port = free_port()
     feast_bin = Path(sys.executable).with_name("feast")

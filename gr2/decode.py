@@ -128,20 +128,26 @@ def ar_generate(
     return out, nfe
 
 
+def threshold_commits(conf: torch.Tensor, masked: torch.Tensor, tau: float) -> torch.Tensor:
+    """The commit rule (PAPER 3.5) on confidences [B, C]: every masked position with conf >= tau, plus the single
+    most confident masked one (progress even when nothing clears tau). Rows with nothing masked commit nothing."""
+    conf = conf.masked_fill(~masked, -1.0)  # real confidences are >= 0, so the arg-max is a masked position
+    forced = torch.zeros_like(masked).scatter_(1, conf.argmax(-1, keepdim=True), True)
+    return masked & ((conf >= tau) | forced)
+
+
 def select_commits(
     logits: torch.Tensor, masked: torch.Tensor, tau: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The commit rule: every masked position with top-1 prob >= tau, plus the single most confident one.
+    """Greedy commits: `threshold_commits` with confidence = top-1 probability, tokens = arg-max.
 
     logits [B, C, V] (already token-shifted: row j predicts canvas position j), masked [B, C].
-    Returns (commit [B, C] bool, greedy tokens [B, C]). Rows with nothing masked commit nothing.
+    Returns (commit [B, C] bool, greedy tokens [B, C]).
     """
-    conf, pred = logits.float().softmax(-1).max(-1)
-    conf = conf.masked_fill(~masked, -1.0)
-    commit = masked & (conf >= tau)
-    rows = torch.nonzero(masked.any(-1)).squeeze(-1)
-    commit[rows, conf[rows].argmax(-1)] = True  # forced arg-max: progress even when nothing clears tau
-    return commit, pred
+    logits = logits.float()
+    top, pred = logits.max(-1)
+    conf = (top - logits.logsumexp(-1)).exp()  # top-1 probability without materialising the softmax
+    return threshold_commits(conf, masked, tau), pred
 
 
 def _crop_to(cache: DynamicCache, length: int) -> None:
@@ -228,7 +234,15 @@ def diffusion_generate(
         committed[done] = True
         block[done] = fill
         pending = use_cache and s0 > 0  # previous block's KV not yet in the cache
-        shifted = None
+        if (
+            use_cache
+        ):  # the block's attention rows and positions, built once: [finished block, canvas] for the
+            n_pend = block_size if pending else 0  # fold round, the canvas rows alone for the other rounds
+            cols = torch.arange(P + s0 - n_pend, P + s0 + cl, device=dev)
+            fold_mask = attention_rows(P, cols, P + s0 + cl, block_size, pad_lens)
+            fold_pos = position_ids_for(pad_lens, cols)
+            canvas_mask, canvas_pos = fold_mask[:, :, n_pend:].contiguous(), fold_pos[:, n_pend:]
+        eos_seen = False  # no row can finish inside this block before some row commits an eos in it
         while True:
             masked = ~committed
             if not bool(masked.any()):
@@ -244,14 +258,10 @@ def diffusion_generate(
                 nfe += 1
                 shifted = logits[:, P + s0 - 1 : P + s0 + cl - 1]
             elif pending or bool(masked[:, 1:].any()):
-                n_pend = block_size if pending else 0
-                q0 = P + s0 - n_pend
-                cols = torch.arange(q0, P + s0 + cl, device=dev)
-                inp = torch.cat([resp[:, s0 - n_pend : s0], block], dim=1)
                 logits = model(
-                    input_ids=inp,
-                    attention_mask=attention_rows(P, cols, P + s0 + cl, block_size, pad_lens),
-                    position_ids=position_ids_for(pad_lens, cols),
+                    input_ids=torch.cat([resp[:, s0 - n_pend : s0], block], dim=1) if pending else block,
+                    attention_mask=fold_mask if pending else canvas_mask,
+                    position_ids=fold_pos if pending else canvas_pos,
                     cache=cache,
                     use_cache=True,
                     # Only the last cl + 1 columns' logits are read (the finished block's last column = the
@@ -276,12 +286,13 @@ def diffusion_generate(
                 if logprobs is not None:
                     logprobs[:, s0 : s0 + c][commit] = lp[commit]
             block[:, :c] = torch.where(commit, pred, block[:, :c])
-            traj[:, s0 : s0 + c][commit] = rnd
+            traj[:, s0 : s0 + c].masked_fill_(commit, rnd)
             committed[:, :c] |= commit
             rnd += 1
             if eos_id is not None:
-                newly = _finished(block, committed, eos_id) & ~done
-                if bool(newly.any()):
+                eos_seen = eos_seen or bool((commit & (pred == eos_id)).any())
+                newly = _finished(block, committed, eos_id) & ~done if eos_seen else None
+                if newly is not None and bool(newly.any()):
                     done |= newly
                     rest = newly[:, None] & ~committed
                     block[rest] = fill

@@ -33,7 +33,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from gr2.decode import ar_generate, diffusion_generate, left_pad
+from gr2.decode import ar_generate, diffusion_generate, left_pad, threshold_commits
 from gr2.losses import Batch
 from gr2.model import block_causal_mask, position_ids_for
 
@@ -168,11 +168,7 @@ def sample_commits(
     position with confidence >= tau plus the most confident one. Returns (commit, tokens, log-probs)."""
     tok, lp = _pick(logits, temperature, gen)
     # Confidence = probability of the sampled token under the distribution it was drawn from (greedy: top-1).
-    conf = lp.exp().masked_fill(~masked, -1.0)
-    commit = masked & (conf >= tau)
-    rows = torch.nonzero(masked.any(-1)).squeeze(-1)
-    commit[rows, conf[rows].argmax(-1)] = True
-    return commit, tok, lp
+    return threshold_commits(lp.exp(), masked, tau), tok, lp
 
 
 @torch.no_grad()

@@ -3,8 +3,8 @@
 Prompt (whitespace-separated closed-vocabulary tokens, ~200 tokens for H = 20, N = 10, 6 features):
     history <a_3> <b_17> <c_9> <d_0> ... candidates [A] <a_..> <b_..> <c_..> <d_..> <trans_3> <co_1> ... [B] ...
 Response = trace then answer (the answer is valid JSON once the tokens are joined by spaces); the trace
-gives each of the top-3 candidates with its evidence row (gr2/teacher.py `make_trace`):
-    [C] <trans_3> <co_2> <pop_1> <cat_0> <sim_2> <rank_1> ; [A] ... ; [F] ... ;
+names the top-3 candidates by label and semantic ID (gr2/teacher.py `make_trace`):
+    [C] <a_12> <b_5> <c_77> <d_0> ; [A] <a_3> <b_17> <c_9> <d_0> ; [F] ... ;
     { "ranking" : [ "C" , "A" , "F" , ... ] }
 """
 
@@ -38,6 +38,8 @@ _ALIAS_RULES = [
     ("rank", "rank"),
     ("recen", "rec"),
 ]
+
+
 def feature_alias(name: str) -> str:
     """Short, token-safe stem for an evidence feature name (e.g. 'transition_from_last' -> 'trans')."""
     low = name.lower()
@@ -87,7 +89,8 @@ def format_vocabulary(
 
 
 # --- rendering ----------------------------------------------------------------------------------------------
-def _sid_text(codes: Sequence[int]) -> str:
+def sid_text(codes: Sequence[int]) -> str:
+    """An item's semantic ID as tokens: <a_3> <b_17> <c_9> <d_0>."""
     return " ".join(sid_token(level, c) for level, c in enumerate(codes))
 
 
@@ -100,10 +103,10 @@ def render_prompt(
     """Prompt text: history SIDs (oldest -> newest), then per candidate its label, SID and evidence buckets."""
     buckets = np.asarray(evidence_buckets, dtype=np.int64).reshape(len(candidate_sids), -1)
     aliases = feature_aliases(feature_names, buckets.shape[1])
-    parts = [HISTORY, *(_sid_text(s) for s in history_sids), CANDIDATES]
+    parts = [HISTORY, *(sid_text(s) for s in history_sids), CANDIDATES]
     for i, sid in enumerate(candidate_sids):
         ev = " ".join(bucket_token(a, b) for a, b in zip(aliases, buckets[i], strict=True))
-        parts.append(f"{label_token(i)} {_sid_text(sid)} {ev}".rstrip())
+        parts.append(f"{label_token(i)} {sid_text(sid)} {ev}".rstrip())
     return " ".join(parts)
 
 

@@ -5,8 +5,8 @@ softmax) model over the evidence features (transition from the last/recent items
 history, popularity, category overlap, title similarity, retriever rank), their squares and pairwise products, fit on TRAINING
 lists and checked on validation. Its scores define a Plackett-Luce distribution over rankings; rejection
 sampling keeps the first sampled ranking that puts the held-out item first (else the example is dropped).
-The trace states the top-k candidates of that ranking, each with its evidence row (`make_trace`; DESIGN.md:
-the teacher's top-3 labels with their evidence before the answer).
+The trace names the top-k candidates of that ranking by label and semantic ID (`make_trace`; DESIGN.md: the
+teacher's top-3 labels before the answer).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from scipy.optimize import minimize
 from tqdm import tqdm
 
 from gr2.config import Profile, TeacherConfig
-from gr2.prompt import SEMI, bucket_token, encode_example, feature_aliases, label_token
+from gr2.prompt import SEMI, encode_example, label_token, sid_text
 from gr2.sid import SemanticIds
 
 log = logging.getLogger(__name__)
@@ -156,31 +156,20 @@ def answer_order(ranking: Sequence[int], top_k: int, tail_order: str = "retrieve
     return np.asarray(head + sorted(i for i in r if i not in head))
 
 
-def make_trace(
-    evidence_buckets: np.ndarray,
-    ranking: Sequence[int],
-    feature_names: Sequence[str] | None = None,
-    top_k: int = 3,
-) -> str:
-    """One step per top_k candidate of `ranking`: its label, then its whole evidence row (every feature's
-    bucket, in feature order, as the prompt states it), then ';':
+def make_trace(candidate_sids: Sequence[Sequence[int]], ranking: Sequence[int], top_k: int = 3) -> str:
+    """The top_k candidates of `ranking`, each named by its label and its semantic ID as the prompt gives it:
 
-        [C] <trans_3> <co_2> <pop_1> <cat_0> <sim_2> <rank_1> ; [A] <trans_0> ... ; [F] ... ;
+        [C] <a_12> <b_5> <c_77> <d_0> ; [A] <a_3> <b_17> <c_9> <d_0> ; [F] ... ;
 
-    Each step is one decision (which candidate comes next) followed by the evidence that decision rests on.
-    Given the label, the evidence is determined by the prompt, so the block-diffusion decoder can commit it in
-    parallel; the decisions are the tokens it has to take one at a time (PAPER 3.5: easy tokens in parallel).
-    The previous trace cited each candidate's two strongest reasons by the teacher's attribution, as
-    "phrase bucket phrase bucket": every reason depended on the one before it, so at tau 0.9 the decoder spent
-    4-5 rounds on each 8-token trace block and reached 2.7 tokens per forward; the trace bought no accuracy
-    (AR R@1 0.339 with it, 0.336 without).
+    Each step is one decision, and every token of a step identifies the same candidate, so whichever of them
+    the block-diffusion decoder commits first settles the rest (PAPER 3.5: the decisions are taken one round
+    at a time, the tokens they determine in parallel). Two earlier traces added the candidate's evidence
+    buckets (its two strongest by the teacher's attribution, then its whole evidence row). Those tokens are
+    likely for any strong candidate, so the decoder committed them one at a time ahead of the label they
+    depend on: 4-7 rounds per 8-token trace block and 2.1-2.7 tokens per forward at tau 0.9. They bought no
+    accuracy either (AR R@1 0.339 with the first trace, 0.336 with no trace at all).
     """
-    b = np.asarray(evidence_buckets, dtype=np.int64)
-    aliases = feature_aliases(feature_names, b.shape[1])
-    steps = []
-    for i in (int(r) for r in ranking[:top_k]):
-        row = " ".join(bucket_token(a, v) for a, v in zip(aliases, b[i], strict=True))
-        steps.append(f"{label_token(i)} {row} {SEMI}")
+    steps = [f"{label_token(int(i))} {sid_text(candidate_sids[int(i)])} {SEMI}" for i in ranking[:top_k]]
     return " ".join(steps)
 
 
@@ -248,7 +237,7 @@ def build_sft_records_from_arrays(
         ranking = answer_order(ranking, tc.top_k, tc.tail_order)
         trace = None
         if variant == "trace":
-            trace = make_trace(buckets[r], ranking, feature_names, tc.top_k)
+            trace = make_trace([sids.codes[c] for c in cands], ranking, tc.top_k)
         p, resp, w = encode_example(
             tokenizer,
             [sids.codes[i] for i in hist],

@@ -23,7 +23,7 @@ from gr2.prompt import (
 from gr2.tokenizer import build_tokenizer
 
 K = 16
-TRACE = "[C] <trans_3> <trec_0> <co_2> <pop_1> <cat_0> <sim_2> ; [A] <trans_0> <trec_1> <co_3> <pop_0> <cat_1> <sim_0> ;"
+TRACE = "[C] <a_12> <b_5> <c_7> <d_0> ; [A] <a_3> <b_15> <c_9> <d_1> ;"
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def _ans(labels: str) -> str:
 @pytest.mark.parametrize(
     ("text", "reason", "detail"),
     [
-        ("[C] <trans_3> ;", MISSING_ANSWER, None),
+        ("[C] <a_1> <b_2> <c_3> <d_0> ;", MISSING_ANSWER, None),
         ('{ "order" : [ ] }', MISSING_ANSWER, None),
         ('{ "ranking" : [ "A" , "B" ', UNPARSEABLE, None),
         ('{ "ranking" : [ "A" "B" ] }', UNPARSEABLE, None),

@@ -130,8 +130,7 @@ def test_transformer_via_feast_http_feature_server(feast_repo, ml_slice, tmp_pat
     import sys
     from pathlib import Path
 
-    from serving.serve_local import wait_ready
-    from serving.serve_local import free_port
+    from serving.serve_local import free_port, wait_ready
 
     port = free_port()
     feast_bin = Path(sys.executable).with_name("feast")

@@ -3,8 +3,8 @@
 Prompt (whitespace-separated closed-vocabulary tokens, ~200 tokens for H = 20, N = 10, 6 features):
     history <a_3> <b_17> <c_9> <d_0> ... candidates [A] <a_..> <b_..> <c_..> <d_..> <trans_3> <co_1> ... [B] ...
 Response = trace then answer (the answer is valid JSON once the tokens are joined by spaces); the trace
-names the top-3 candidates by label and semantic ID (gr2/teacher.py `make_trace`):
-    [C] <a_12> <b_5> <c_77> <d_0> ; [A] <a_3> <b_17> <c_9> <d_0> ; [F] ... ;
+is the shortlist of the top-3 labels (gr2/teacher.py `make_trace`):
+    [C] [A] [F]
     { "ranking" : [ "C" , "A" , "F" , ... ] }
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 from gr2.sid import sid_token
 
 # --- vocabulary pieces --------------------------------------------------------------------------------------
-HISTORY, CANDIDATES, SEMI = "history", "candidates", ";"
+HISTORY, CANDIDATES = "history", "candidates"
 JSON_TOKENS = ["{", "}", '"ranking"', ":", "[", "]", ","]
 
 # Evidence feature name -> short token stem, matched by keyword in order (the evidence module owns the names).
@@ -82,7 +82,7 @@ def format_vocabulary(
 ) -> list[str]:
     """Every non-SID, non-special token the format can emit, in a stable order (the tokenizer's vocabulary)."""
     aliases = feature_aliases(feature_names, n_features)
-    toks = [HISTORY, CANDIDATES, SEMI, *JSON_TOKENS]
+    toks = [HISTORY, CANDIDATES, *JSON_TOKENS]
     toks += [label_token(i) for i in range(max_labels)] + [answer_label_token(i) for i in range(max_labels)]
     toks += [bucket_token(a, b) for a in aliases for b in range(n_buckets)]
     return list(dict.fromkeys(toks))  # de-duplicate, keep order

@@ -5,7 +5,7 @@ softmax) model over the evidence features (transition from the last/recent items
 history, popularity, category overlap, title similarity, retriever rank), their squares and pairwise products, fit on TRAINING
 lists and checked on validation. Its scores define a Plackett-Luce distribution over rankings; rejection
 sampling keeps the first sampled ranking that puts the held-out item first (else the example is dropped).
-The trace names the top-k candidates of that ranking by label and semantic ID (`make_trace`; DESIGN.md: the
+The trace is the shortlist: the labels of that ranking's top-k candidates (`make_trace`; DESIGN.md: the
 teacher's top-3 labels before the answer).
 """
 
@@ -24,7 +24,7 @@ from scipy.optimize import minimize
 from tqdm import tqdm
 
 from gr2.config import Profile, TeacherConfig
-from gr2.prompt import SEMI, encode_example, label_token, sid_text
+from gr2.prompt import encode_example, label_token
 from gr2.sid import SemanticIds
 
 log = logging.getLogger(__name__)
@@ -156,21 +156,23 @@ def answer_order(ranking: Sequence[int], top_k: int, tail_order: str = "retrieve
     return np.asarray(head + sorted(i for i in r if i not in head))
 
 
-def make_trace(candidate_sids: Sequence[Sequence[int]], ranking: Sequence[int], top_k: int = 3) -> str:
-    """The top_k candidates of `ranking`, each named by its label and its semantic ID as the prompt gives it:
+def make_trace(ranking: Sequence[int], top_k: int = 3) -> str:
+    """The shortlist: the labels of the top_k candidates of `ranking`, best first ("[C] [A] [F]").
 
-        [C] <a_12> <b_5> <c_77> <d_0> ; [A] <a_3> <b_17> <c_9> <d_0> ; [F] ... ;
+    The model commits to its top choices before it writes the full JSON ranking, which then restates them and
+    lists the rest. Each label is one decision; the answer's tokens follow from them, so the block-diffusion
+    decoder spends its rounds on the decisions and writes the rest in parallel (PAPER 3.5).
 
-    Each step is one decision, and every token of a step identifies the same candidate, so whichever of them
-    the block-diffusion decoder commits first settles the rest (PAPER 3.5: the decisions are taken one round
-    at a time, the tokens they determine in parallel). Two earlier traces added the candidate's evidence
-    buckets (its two strongest by the teacher's attribution, then its whole evidence row). Those tokens are
-    likely for any strong candidate, so the decoder committed them one at a time ahead of the label they
-    depend on: 4-7 rounds per 8-token trace block and 2.1-2.7 tokens per forward at tau 0.9. They bought no
-    accuracy either (AR R@1 0.339 with the first trace, 0.336 with no trace at all).
+    Three longer traces were measured on Beauty (bench profile) and dropped, because none bought accuracy
+    (AR R@1 0.339 with the first, 0.336 with no trace at all). At this model size, the diffusion model
+    decoded their dependent tokens one per round:
+    - each candidate's two strongest reasons by the teacher's attribution ("phrase bucket phrase bucket"):
+      4-5 rounds per 8-token trace block, 2.47 tokens per forward after CFT at tau 0.9;
+    - its whole evidence row: evidence likely for any strong candidate was committed one token per round
+      ahead of the label it describes, 7 rounds per trace block, 2.09 tokens per forward;
+    - its semantic ID: each code token was copied only after the one before it, 2.39 tokens per forward.
     """
-    steps = [f"{label_token(int(i))} {sid_text(candidate_sids[int(i)])} {SEMI}" for i in ranking[:top_k]]
-    return " ".join(steps)
+    return " ".join(label_token(int(i)) for i in ranking[:top_k])
 
 
 # ----------------------------------------------------------------------------- SFT records
@@ -237,7 +239,7 @@ def build_sft_records_from_arrays(
         ranking = answer_order(ranking, tc.top_k, tc.tail_order)
         trace = None
         if variant == "trace":
-            trace = make_trace([sids.codes[c] for c in cands], ranking, tc.top_k)
+            trace = make_trace(ranking, tc.top_k)
         p, resp, w = encode_example(
             tokenizer,
             [sids.codes[i] for i in hist],

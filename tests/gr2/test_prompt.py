@@ -23,7 +23,7 @@ from gr2.prompt import (
 from gr2.tokenizer import build_tokenizer
 
 K = 16
-TRACE = "[C] <a_12> <b_5> <c_7> <d_0> ; [A] <a_3> <b_15> <c_9> <d_1> ;"
+TRACE = "[C] [A] [F]"
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def _ans(labels: str) -> str:
 @pytest.mark.parametrize(
     ("text", "reason", "detail"),
     [
-        ("[C] <a_1> <b_2> <c_3> <d_0> ;", MISSING_ANSWER, None),
+        ("[C] [A] [F]", MISSING_ANSWER, None),
         ('{ "order" : [ ] }', MISSING_ANSWER, None),
         ('{ "ranking" : [ "A" , "B" ', UNPARSEABLE, None),
         ('{ "ranking" : [ "A" "B" ] }', UNPARSEABLE, None),

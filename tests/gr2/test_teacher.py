@@ -76,15 +76,11 @@ def test_rejection_sample_puts_target_first():
     assert rejection_sample(hopeless, 1, rng, TeacherConfig(max_tries=5)) == (None, 5)
 
 
-def test_make_trace_names_each_top_candidate_by_label_and_semantic_id():
-    sids = [(k, k + 1, 2 * k, 0) for k in range(10)]
-    trace = make_trace(sids, [2, 0, 5, 1, 3, 4, 6, 7, 8, 9], top_k=3)
-    assert (
-        trace == "[C] <a_2> <b_3> <c_4> <d_0> ; [A] <a_0> <b_1> <c_0> <d_0> ; [F] <a_5> <b_6> <c_10> <d_0> ;"
-    )
+def test_make_trace_is_the_shortlist_of_top_labels():
+    assert make_trace([2, 0, 5, 1, 3, 4, 6, 7, 8, 9], top_k=3) == "[C] [A] [F]"
+    assert make_trace([4, 2], top_k=1) == "[E]"
     tok = build_tokenizer((16, 16, 16, 1), NAMES)
-    assert tok.unk_token_id not in tok(trace, add_special_tokens=False)["input_ids"]
-    assert make_trace(sids, [4, 2], top_k=1) == "[E] <a_4> <b_5> <c_8> <d_0> ;"
+    assert tok.unk_token_id not in tok("[C] [A] [F]", add_special_tokens=False)["input_ids"]
 
 
 def _toy_sids(n_items: int) -> SemanticIds:
@@ -114,21 +110,14 @@ def test_build_sft_records_from_arrays_variants():
         assert 0.3 < stats["kept_frac"] < 1.0 and stats["n_kept"] == len(recs)
         out[variant] = (recs, stats)
     (rt, st), (ra, sa) = out["trace"], out["ar_no_trace"]
-    assert len(rt) == len(ra) and sa["mean_trace_tokens"] == 0 and st["mean_trace_tokens"] == 3 * (1 + 4 + 1)
+    assert len(rt) == len(ra) and sa["mean_trace_tokens"] == 0 and st["mean_trace_tokens"] == 3
     assert st["mean_answer_tokens"] == sa["mean_answer_tokens"] == 26
-    sids = _toy_sids(64)
-    for k, (a, c) in enumerate(zip(rt, ra, strict=True)):
+    for a, c in zip(rt, ra, strict=True):
         assert a.prompt_ids == c.prompt_ids  # same prompt
         pa, pc = parse_response(a.response_ids, 10, tok), parse_response(c.response_ids, 10, tok)
         assert pa.ranking == pc.ranking and pa.ranking is not None  # same sampled ranking
         text = tok.decode(a.response_ids, skip_special_tokens=True)
-        steps = text.split(" {")[0].rstrip(" ;").split(" ; ")  # one step per top-3 candidate, answer order
-        assert [s.split()[0] for s in steps] == [f"[{chr(65 + i)}]" for i in pa.ranking[:3]]
-        cands = examples["candidates"].iat[st["kept_rows"][k]]
-        for step, i in zip(steps, pa.ranking[:3], strict=True):  # each named by its own semantic ID
-            assert step.split()[1:] == [
-                f"<{lv}_{x}>" for lv, x in zip("abcd", sids.codes[cands[i]], strict=True)
-            ]
+        assert text.split(" {")[0].split() == [f"[{chr(65 + i)}]" for i in pa.ranking[:3]]  # the shortlist
         assert (
             max(a.response_weights) == cfg.sft.answer_weight > min(a.response_weights) == cfg.sft.trace_weight
         )

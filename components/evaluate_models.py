@@ -45,6 +45,8 @@ def evaluate_models(
     for name in rep.get("plots", []):
         data = base64.b64encode((Path(report.path) / name).read_bytes()).decode()
         md = md.replace(f"]({name})", f"](data:image/png;base64,{data})")
+    for card in rep.get("model_cards", []):
+        md += "\n\n" + (Path(report.path) / card).read_text()
     Path(summary.path).write_text(md)
     for row in rep["rows"]:
         key = row["model"] + (f"@tau{row['tau']}" if row.get("tau") is not None else "")

@@ -131,6 +131,7 @@ class TeacherConfig:
     max_tries: int = 8  # rejection sampling: samples per example before it is dropped
     greedy_first: bool = True  # first try = the teacher's own ranking
     top_k: int = 3  # candidates explained in the trace (DESIGN: top-3 with evidence)
+    reasons_per_item: int = 2
     # Order of the answer after the top_k the trace argues for: "retriever" keeps the upstream order (a
     # deterministic tail a small model learns to emit as a valid permutation), "sampled" keeps the sampled one.
     tail_order: str = "retriever"

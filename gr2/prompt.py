@@ -2,10 +2,9 @@
 
 Prompt (whitespace-separated closed-vocabulary tokens, ~200 tokens for H = 20, N = 10, 6 features):
     history <a_3> <b_17> <c_9> <d_0> ... candidates [A] <a_..> <b_..> <c_..> <d_..> <trans_3> <co_1> ... [B] ...
-Response = trace then answer (the answer is valid JSON once the tokens are joined by spaces); the trace
-is the shortlist of the top-3 labels (gr2/teacher.py `make_trace`):
-    [C] [A] [F]
-    { "ranking" : [ "C" , "A" , "F" , ... ] }
+Response = trace then answer (the answer is valid JSON once the tokens are joined by spaces):
+    step 1 : [C] follows-last-item <trans_3> co-occurs-with-history <co_2> ; step 2 : ... ; top [C] [A] [F]
+    { "ranking" : [ "C" , "A" , ... ] }
 """
 
 from __future__ import annotations
@@ -20,7 +19,9 @@ import numpy as np
 from gr2.sid import sid_token
 
 # --- vocabulary pieces --------------------------------------------------------------------------------------
-HISTORY, CANDIDATES = "history", "candidates"
+HISTORY, CANDIDATES, TOP = "history", "candidates", "top"
+STEP, COLON, SEMI = "step", ":", ";"
+NO_SIGNAL = "no-strong-signal"
 JSON_TOKENS = ["{", "}", '"ranking"', ":", "[", "]", ","]
 
 # Evidence feature name -> short token stem, matched by keyword in order (the evidence module owns the names).
@@ -38,6 +39,19 @@ _ALIAS_RULES = [
     ("rank", "rank"),
     ("recen", "rec"),
 ]
+# What a strong bucket of each feature means, in words (the trace vocabulary). Each phrase is ONE token: a
+# multi-word phrase ("follows" "last" "item") makes the block-diffusion decoder commit its words one round at a
+# time (each word depends on the one before it), and its words carry nothing the single token does not.
+FEATURE_PHRASES = {
+    "trans": "follows-last-item",
+    "trec": "follows-recent-items",
+    "co": "co-occurs-with-history",
+    "pop": "is-popular",
+    "cat": "shares-category-with-history",
+    "sim": "similar-to-history",
+    "rank": "ranked-high-by-retriever",
+    "rec": "matches-recent-items",
+}
 
 
 def feature_alias(name: str) -> str:
@@ -63,6 +77,10 @@ def feature_aliases(feature_names: Sequence[str] | None, n_features: int) -> lis
     return out
 
 
+def feature_phrase(alias: str) -> str:
+    return FEATURE_PHRASES.get(alias.rstrip("0123456789"), f"{alias}-signal")
+
+
 def bucket_token(alias: str, bucket: int) -> str:
     return f"<{alias}_{int(bucket)}>"
 
@@ -82,15 +100,18 @@ def format_vocabulary(
 ) -> list[str]:
     """Every non-SID, non-special token the format can emit, in a stable order (the tokenizer's vocabulary)."""
     aliases = feature_aliases(feature_names, n_features)
-    toks = [HISTORY, CANDIDATES, *JSON_TOKENS]
+    words = [HISTORY, CANDIDATES, TOP, STEP, COLON, SEMI, *NO_SIGNAL.split()]
+    words += [str(i) for i in range(1, max_labels + 1)]  # step numbers
+    for a in aliases:
+        words += feature_phrase(a).split()
+    toks = words + JSON_TOKENS
     toks += [label_token(i) for i in range(max_labels)] + [answer_label_token(i) for i in range(max_labels)]
     toks += [bucket_token(a, b) for a in aliases for b in range(n_buckets)]
     return list(dict.fromkeys(toks))  # de-duplicate, keep order
 
 
 # --- rendering ----------------------------------------------------------------------------------------------
-def sid_text(codes: Sequence[int]) -> str:
-    """An item's semantic ID as tokens: <a_3> <b_17> <c_9> <d_0>."""
+def _sid_text(codes: Sequence[int]) -> str:
     return " ".join(sid_token(level, c) for level, c in enumerate(codes))
 
 
@@ -103,10 +124,10 @@ def render_prompt(
     """Prompt text: history SIDs (oldest -> newest), then per candidate its label, SID and evidence buckets."""
     buckets = np.asarray(evidence_buckets, dtype=np.int64).reshape(len(candidate_sids), -1)
     aliases = feature_aliases(feature_names, buckets.shape[1])
-    parts = [HISTORY, *(sid_text(s) for s in history_sids), CANDIDATES]
+    parts = [HISTORY, *(_sid_text(s) for s in history_sids), CANDIDATES]
     for i, sid in enumerate(candidate_sids):
         ev = " ".join(bucket_token(a, b) for a, b in zip(aliases, buckets[i], strict=True))
-        parts.append(f"{label_token(i)} {sid_text(sid)} {ev}".rstrip())
+        parts.append(f"{label_token(i)} {_sid_text(sid)} {ev}".rstrip())
     return " ".join(parts)
 
 

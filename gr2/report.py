@@ -145,6 +145,9 @@ def render_markdown(report: dict, plots: list[str] | None = None) -> str:
     if gate is not None:
         out += ["", f"**Gate: {'PASSED' if gate.get('passed') else 'FAILED'}**"]
         out += [f"- {r}" for r in gate.get("reasons", [])]
+    cards = report.get("model_cards") or []
+    if cards:
+        out += ["", "## Model cards", "", " · ".join(f"[{Path(c).stem}]({c})" for c in cards)]
     if plots:
         out += ["", "## Plots"] + [f"![{Path(p).stem}]({p})" for p in plots]
     return "\n".join(out) + "\n"

@@ -121,6 +121,8 @@ def run_local(
         evaluated = _latest("**/report/report.json", root)
         for png in sorted(evaluated.parent.glob("*.png")) if evaluated else []:
             shutil.copy(png, run_dir / png.name)  # the plots the report links to
+        if evaluated and (evaluated.parent / "model_cards").is_dir():
+            shutil.copytree(evaluated.parent / "model_cards", run_dir / "model_cards", dirs_exist_ok=True)
         write_report(run_dir, report)  # runs/<id>/report.json + .md, and runs/latest -> <id>
         with open(run_dir / "report.md", "a") as f:
             f.write(f"\nRun `{run_id}`, pipeline {seconds:.0f} s, command `{report['command']}`.\n")
@@ -135,6 +137,11 @@ def run_local(
             for name in report.get("plots", []):
                 shutil.copy(run_dir / name, bench / f"{label}_{name}")
                 md = md.replace(f"]({name})", f"]({label}_{name})")
+            for card in report.get("model_cards", []):  # model_cards/rl.md -> <label>_model_cards/rl.md
+                dest = bench / f"{label}_{card}"
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(run_dir / card, dest)
+                md = md.replace(f"]({card})", f"]({label}_{card})")
             (bench / f"{label}.md").write_text(md)
     return out
 

@@ -43,7 +43,7 @@ def models(tmp_path_factory):
         cfg,
         tmp_path_factory.mktemp("cft"),
     )
-    yield ar, diff
+    yield ar.cpu(), diff.cpu()  # a CPU suite even where accelerate trained on a GPU (tests/gpu covers CUDA)
     torch.set_num_threads(n)
 
 

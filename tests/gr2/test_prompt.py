@@ -23,7 +23,7 @@ from gr2.prompt import (
 from gr2.tokenizer import build_tokenizer
 
 K = 16
-TRACE = "[C] [A] [F]"
+TRACE = "step 1 : [C] follows-last-item <trans_3> co-occurs-with-history <co_2> ; top [C] [A] [F]"
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_render_response_accepts_letters():
 def test_encode_rejects_out_of_vocabulary(tok):
     hist, cands, buckets = _example(np.random.default_rng(2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        encode_example(tok, hist, cands, buckets, list(range(10)), "[A] banana ;", FEATURE_NAMES)
+        encode_example(tok, hist, cands, buckets, list(range(10)), "step 1 : banana", FEATURE_NAMES)
     cands[0] = (K + 5, 0, 0, 0)  # a code beyond the codebook
     with pytest.raises(ValueError, match="outside the vocabulary"):
         encode_example(tok, hist, cands, buckets, list(range(10)), None, FEATURE_NAMES)
@@ -94,7 +94,7 @@ def _ans(labels: str) -> str:
 @pytest.mark.parametrize(
     ("text", "reason", "detail"),
     [
-        ("[C] [A] [F]", MISSING_ANSWER, None),
+        ("step 1 : [C] ; top [C]", MISSING_ANSWER, None),
         ('{ "order" : [ ] }', MISSING_ANSWER, None),
         ('{ "ranking" : [ "A" , "B" ', UNPARSEABLE, None),
         ('{ "ranking" : [ "A" "B" ] }', UNPARSEABLE, None),

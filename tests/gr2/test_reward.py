@@ -52,7 +52,7 @@ def _ids(tok, text, eos=True):
 
 
 def test_response_reward_parses_tokens(tok):
-    text = render_response("[C] [A] [B]", [2, 0, 1, 3, 4, 5, 6, 7, 8, 9])
+    text = render_response("step 1 : [C] follows-last-item", [2, 0, 1, 3, 4, 5, 6, 7, 8, 9])
     r, valid = response_reward(_ids(tok, text), 2, N, tok)
     assert valid and r == pytest.approx(0.2 + 0.2)
     # the same answer copied from the input order while the target sat at 2: no bonus, R = 0

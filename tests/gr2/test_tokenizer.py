@@ -16,7 +16,7 @@ def test_vocab_layout():
     assert vocab[:5] == SPECIAL_TOKENS
     assert len(vocab) == len(set(vocab))
     assert {"<a_0>", "<b_7>", "<c_3>", "<d_2>"} <= set(vocab) and "<d_3>" not in vocab
-    assert {"[A]", "[J]", '"A"', '"J"', "{", "}", '"ranking"', ","} <= set(vocab)
+    assert {"[A]", "[J]", '"A"', '"J"', "{", "}", '"ranking"', ",", "step", "top"} <= set(vocab)
     # One bucket token per (feature, bucket), distinct across features.
     sid = re.compile(r"^<[abcd]_\d+>$")
     buckets = [t for t in vocab if t.startswith("<") and not sid.match(t) and t not in SPECIAL_TOKENS]

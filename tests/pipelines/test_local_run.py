@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from pipelines.run_local import run_local
+from pipelines.speed_check import main as speed_check
 from tests.components.slices import SLICE_BOUNDS, SLICE_USERS, require_slice
 
 pytestmark = pytest.mark.slow
@@ -69,6 +70,31 @@ def test_local_run_writes_report(tmp_path):
     assert s["v2_status"] == 200 and 400 <= s["malformed_status"] < 500 and s["status_after_malformed"] == 200
     assert s["example"]["model"] == "rl" and s["gate_passed"] == rep["gate"]["passed"]
     assert "## Local serving check" in (tmp_path / "smoke" / "report.md").read_text()
+    # A model card per evaluated model beside the report, linked from it.
+    cards = tmp_path / "smoke" / "model_cards"
+    names = ["ar_sft", "ar", "ar_no_trace", "naive", "cft", "opd", "rl"]
+    assert sorted(p.stem for p in cards.glob("*.md")) == sorted(names)
+    assert "block diffusion, block_size 4" in (cards / "rl.md").read_text()
+    assert "(model_cards/rl.md)" in (tmp_path / "smoke" / "report.md").read_text()
+    # The speed re-measurement for another device (pipelines/speed_check.py) reads the same run.
+    speed_check(
+        [
+            "--run",
+            str(tmp_path / "smoke"),
+            "--models",
+            "ar,rl",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "sp"),
+        ]
+    )
+    sp = json.loads((tmp_path / "sp.json").read_text())
+    assert [(s["model"], s["tau"], s["batch"]) for s in sp["speed"]] == [
+        (m, t, b) for b in (1, 4) for m, t in (("ar", None), ("rl", 1.0), ("rl", 0.5))
+    ]
+    assert all(s["tokens_per_s"] > 0 for s in sp["speed"])
+    assert [s["speedup_vs_ar"] for s in sp["speed"] if s["model"] == "ar"] == [1.0, 1.0]
 
 
 def test_failed_validation_stops_the_pipeline(tmp_path):

@@ -234,10 +234,10 @@ def diffusion_generate(
         committed[done] = True
         block[done] = fill
         pending = use_cache and s0 > 0  # previous block's KV not yet in the cache
-        if (
-            use_cache
-        ):  # the block's attention rows and positions, built once: [finished block, canvas] for the
-            n_pend = block_size if pending else 0  # fold round, the canvas rows alone for the other rounds
+        if use_cache:
+            # The block's attention rows and positions, built once: [finished block, canvas] for the fold
+            # round, the canvas rows alone for the other rounds.
+            n_pend = block_size if pending else 0
             cols = torch.arange(P + s0 - n_pend, P + s0 + cl, device=dev)
             fold_mask = attention_rows(P, cols, P + s0 + cl, block_size, pad_lens)
             fold_pos = position_ids_for(pad_lens, cols)
@@ -291,8 +291,9 @@ def diffusion_generate(
             rnd += 1
             if eos_id is not None:
                 eos_seen = eos_seen or bool((commit & (pred == eos_id)).any())
-                newly = _finished(block, committed, eos_id) & ~done if eos_seen else None
-                if newly is not None and bool(newly.any()):
+            if eos_seen:
+                newly = _finished(block, committed, eos_id) & ~done
+                if bool(newly.any()):
                     done |= newly
                     rest = newly[:, None] & ~committed
                     block[rest] = fill

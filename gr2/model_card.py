@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from gr2.report import fmt_ci, fmt_value
+
 STAGES = {
     "ar_sft": "AR teacher after supervised fine-tuning on the reasoning teacher's traces (GR2 stage 1-2)",
     "ar": "AR teacher: SFT + GRPO (GR2 stage 3); the speed baseline and the teacher of the diffusion stages",
@@ -36,13 +38,8 @@ LIMITS = (
 )
 
 
-def _fmt(x: Any, nd: int = 3) -> str:
-    return "—" if x is None else f"{x:.{nd}f}"
-
-
 def _ci(row: dict, key: str) -> str:
-    ci = (row.get("ci95") or {}).get(key)
-    return f"{_fmt(row.get(key))} [{_fmt(ci[0])}, {_fmt(ci[1])}]" if ci else _fmt(row.get(key))
+    return fmt_value(row.get(key), 3) + fmt_ci(row, key)
 
 
 def model_card(name: str, bundle: str | Path, report: dict) -> str:
@@ -94,9 +91,9 @@ def model_card(name: str, bundle: str | Path, report: dict) -> str:
         ]
         for r in rows:
             lines.append(
-                f"| {_fmt(r.get('tau'), 2)} | {_ci(r, 'recall@1')} | {_fmt(r.get('recall@5'))} | "
-                f"{_fmt(r.get('ndcg@5'))} | {_fmt(r.get('validity'))}{_why(r)} | {r.get('n_users', '')} | "
-                f"{_fmt(r.get('nfe_per_seq'), 1)} | {_fmt(r.get('speedup_vs_ar'), 2)} |"
+                f"| {fmt_value(r.get('tau'), 2)} | {_ci(r, 'recall@1')} | {fmt_value(r.get('recall@5'), 3)} | "
+                f"{fmt_value(r.get('ndcg@5'), 3)} | {fmt_value(r.get('validity'), 3)}{_why(r)} | {r.get('n_users', '')} | "
+                f"{fmt_value(r.get('nfe_per_seq'), 1)} | {fmt_value(r.get('speedup_vs_ar'), 2)} |"
             )
         lines.append("\nAn invalid output falls back to the upstream order (counted in the metrics).")
     else:
@@ -105,8 +102,8 @@ def model_card(name: str, bundle: str | Path, report: dict) -> str:
         lines += ["", "| tau | batch | tokens/s | tokens/forward | speedup vs AR |", "|---|---|---|---|---|"]
         for s in speed:
             lines.append(
-                f"| {_fmt(s.get('tau'), 2)} | {s['batch']} | {s['tokens_per_s']:.0f} | "
-                f"{s['tokens_per_forward']:.2f} | {_fmt(s.get('speedup_vs_ar'), 2)} |"
+                f"| {fmt_value(s.get('tau'), 2)} | {s['batch']} | {s['tokens_per_s']:.0f} | "
+                f"{s['tokens_per_forward']:.2f} | {fmt_value(s.get('speedup_vs_ar'), 2)} |"
             )
         lines.append(f"\nMachine: {report.get('machine')}")
     lines += ["", "## Intended use", "", USE, "", "## Limitations", "", LIMITS, ""]

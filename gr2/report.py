@@ -82,7 +82,8 @@ def _json_default(o):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def _fmt(x, digits: int = 4) -> str:
+def fmt_value(x, digits: int = 4) -> str:
+    """A report number for Markdown: '—' for missing, fixed decimals for floats."""
     if x is None:
         return "—"
     if isinstance(x, float) and np.isnan(x):
@@ -90,12 +91,26 @@ def _fmt(x, digits: int = 4) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-def _ci(row: dict, m: str, key: str = "ci95", sign: bool = False) -> str:
+def fmt_ci(row: dict, m: str, key: str = "ci95", sign: bool = False) -> str:
+    """' [lo, hi]' of a row's 95% CI for metric m ('' when the row has none)."""
     ci = (row.get(key) or {}).get(m)
     if not ci:
         return ""
     f = "{:+.3f}" if sign else "{:.3f}"
     return f" [{f.format(ci[0])}, {f.format(ci[1])}]"
+
+
+def speed_markdown(speed: list[dict]) -> list[str]:
+    """The speed rows (report.json `speed`) as a Markdown table, one line per entry."""
+    out = ["| model | tau | batch | tokens/s | nfe/seq | tokens/forward | speedup vs AR | ideal speedup |"]
+    out += ["|---|---|---|---|---|---|---|---|"]
+    for s in speed:
+        out += [
+            f"| {s['model']} | {fmt_value(s.get('tau'), 2)} | {s['batch']} | {s['tokens_per_s']:.1f} | "
+            f"{s['nfe_per_seq']:.1f} | {s['tokens_per_forward']:.2f} | {s['speedup_vs_ar']:.2f} | "
+            f"{s['ideal_speedup']:.2f} |"
+        ]
+    return out
 
 
 def render_markdown(report: dict, plots: list[str] | None = None) -> str:
@@ -110,7 +125,7 @@ def render_markdown(report: dict, plots: list[str] | None = None) -> str:
     ret = report.get("retriever") or {}
     if ret:
         out += [
-            f"- retriever `{ret.get('name')}`: hit rate {_fmt(ret.get('hit_rate'))} "
+            f"- retriever `{ret.get('name')}`: hit rate {fmt_value(ret.get('hit_rate'))} "
             f"({ret.get('n_test_examples')} test examples reach re-ranking)"
         ]
     out += [
@@ -121,26 +136,20 @@ def render_markdown(report: dict, plots: list[str] | None = None) -> str:
     ]
     out += ["|" + "---|" * (len(METRICS) + 7)]
     for row in report.get("rows", []):
-        cells = [str(row.get("model", "")), _fmt(row.get("tau"), 2)]
-        cells += [_fmt(row.get(m), 3) + _ci(row, m) for m in METRICS]
+        cells = [str(row.get("model", "")), fmt_value(row.get("tau"), 2)]
+        cells += [fmt_value(row.get(m), 3) + fmt_ci(row, m) for m in METRICS]
         d = (row.get("delta_vs_floor_mean") or {}).get("recall@1")
-        cells += [("" if d is None else f"{d:+.3f}") + _ci(row, "recall@1", "delta_vs_floor", sign=True)]
-        cells += [_fmt(row.get("validity"), 3), str(row.get("n_users", "")), _fmt(row.get("nfe_per_seq"), 2)]
-        cells += [_fmt(row.get("speedup_vs_ar"), 2)]
+        cells += [("" if d is None else f"{d:+.3f}") + fmt_ci(row, "recall@1", "delta_vs_floor", sign=True)]
+        cells += [
+            fmt_value(row.get("validity"), 3),
+            str(row.get("n_users", "")),
+            fmt_value(row.get("nfe_per_seq"), 2),
+        ]
+        cells += [fmt_value(row.get("speedup_vs_ar"), 2)]
         out += ["| " + " | ".join(cells) + " |"]
     speed = report.get("speed") or []
     if speed:
-        out += ["", "## Decode speed (measured side by side in one process)", ""]
-        out += [
-            "| model | tau | batch | tokens/s | nfe/seq | tokens/forward | speedup vs AR | ideal speedup |"
-        ]
-        out += ["|---|---|---|---|---|---|---|---|"]
-        for s in speed:
-            out += [
-                f"| {s['model']} | {_fmt(s.get('tau'), 2)} | {s['batch']} | {s['tokens_per_s']:.1f} | "
-                f"{s['nfe_per_seq']:.1f} | {s['tokens_per_forward']:.2f} | {s['speedup_vs_ar']:.2f} | "
-                f"{s['ideal_speedup']:.2f} |"
-            ]
+        out += ["", "## Decode speed (measured side by side in one process)", "", *speed_markdown(speed)]
     gate = report.get("gate")
     if gate is not None:
         out += ["", f"**Gate: {'PASSED' if gate.get('passed') else 'FAILED'}**"]

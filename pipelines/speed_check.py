@@ -21,8 +21,8 @@ import pandas as pd
 import torch
 
 from gr2.config import load_profile
-from gr2.report import git_sha, machine_info
-from gr2.stages.evaluate import load, measure_speed
+from gr2.report import git_sha, machine_info, speed_markdown
+from gr2.stages.evaluate import load, speed_table
 
 
 def find_bundles(run: Path, names: list[str]) -> dict[str, Path]:
@@ -36,31 +36,6 @@ def find_bundles(run: Path, names: list[str]) -> dict[str, Path]:
     if missing:
         raise FileNotFoundError(f"no bundle named {missing} under {run}/kfp/*/*/model/bundle")
     return {n: found[n] for n in names}  # in the order asked for
-
-
-def speed_rows(
-    bundles: dict[str, Path], test: pd.DataFrame, taus: list[float], n1: int, batch: int, nb: int, device: str
-) -> list[dict]:
-    """Speed rows (batch 1 on the first n1 lists, `batch` on the first nb), speedups against `ar`."""
-    models = {name: load(path) for name, path in bundles.items()}
-    for name, m in models.items():
-        m.name = name
-        m.model.to(device)
-    plans = [(n, "ar" if m.block_size == 0 else "diffusion") for n, m in models.items()]
-    plans = [(n, d, t) for n, d in plans for t in ([None] if d == "ar" else taus)]
-    rows: list[dict] = []
-    for b, n_ex in ((1, n1), (batch, nb)):
-        sub = test.head(n_ex)
-        prompts = models["ar"].encode_prompts(sub["history"].tolist(), sub["candidates"].tolist())
-        for name, decoder, tau in plans:  # warm-up (kernels, allocator) before anything is timed
-            models[name].decode(prompts[: max(b, 2)], decoder, tau or 1.0, b)
-        block = [measure_speed(models[name], prompts, decoder, tau, b) for name, decoder, tau in plans]
-        base = next(s for s in block if s["model"] == "ar")
-        for s in block:
-            s["speedup_vs_ar"] = s["tokens_per_s"] / base["tokens_per_s"]
-            s["ideal_speedup"] = s["tokens_per_forward"] / base["tokens_per_forward"]
-        rows += block
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,20 +57,20 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     if "ar" not in names:
         raise SystemExit("--models must include 'ar' (the speed baseline)")
-    bundles = find_bundles(run, names)
+    models = {name: load(path) for name, path in find_bundles(run, names).items()}
+    for name, m in models.items():
+        m.name = name
+        m.model.to(args.device)
+    plans = [
+        (n, "ar", None) if m.block_size == 0 else (n, "diffusion", t)
+        for n, m in models.items()
+        for t in ([None] if m.block_size == 0 else profile.diffusion.taus)
+    ]
     examples = pd.read_parquet(next(run.glob("kfp/*/candidates/examples")))
     test = examples[examples["split"] == "test"].reset_index(drop=True)
 
     t0 = time.perf_counter()
-    rows = speed_rows(
-        bundles,
-        test,
-        list(profile.diffusion.taus),
-        ev.speed_examples,
-        ev.speed_batch,
-        ev.speed_batch_examples,
-        args.device,
-    )
+    rows = speed_table(models, plans, test, ev, warmup=True)
     out = {
         "command": "python -m pipelines.speed_check " + " ".join(argv if argv is not None else sys.argv[1:]),
         "git_sha": git_sha(),
@@ -122,15 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         f"trained at `{report.get('git_sha')}`); measured at `{out['git_sha']}`",
         f"- machine: {out['machine']}",
         "",
-        "| model | tau | batch | tokens/s | nfe/seq | tokens/forward | speedup vs AR | ideal speedup |",
-        "|---|---|---|---|---|---|---|---|",
+        *speed_markdown(rows),
     ]
-    for s in rows:
-        tau = "—" if s["tau"] is None else f"{s['tau']:.2f}"
-        md.append(
-            f"| {s['model']} | {tau} | {s['batch']} | {s['tokens_per_s']:.1f} | {s['nfe_per_seq']:.1f} | "
-            f"{s['tokens_per_forward']:.2f} | {s['speedup_vs_ar']:.2f} | {s['ideal_speedup']:.2f} |"
-        )
     prefix.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0

@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from gr2.config import Profile
+from gr2.config import EvalConfig, Profile
 from gr2.generative import GenerativeReranker, _load_generative
 from gr2.inference import read_config
 from gr2.metrics import evaluate
@@ -75,6 +75,34 @@ def measure_speed(
     }
 
 
+def speed_table(
+    models: dict[str, GenerativeReranker],
+    plans: list[tuple[str, str, float | None]],
+    test: pd.DataFrame,
+    ev: EvalConfig,
+    warmup: bool = False,
+) -> list[dict]:
+    """Speed side by side: same prompts (the first test lists), same threads, batch 1 and the serving batch.
+
+    `plans` are (model name, decoder, tau); the one named "ar" is the baseline of `speedup_vs_ar` and
+    `ideal_speedup` (tokens per forward). warmup: decode a few lists per plan first, untimed (a GPU's kernels
+    and allocator; on the CPU the models have already decoded the whole test split)."""
+    speed: list[dict] = []
+    for batch, n_ex in ((1, ev.speed_examples), (ev.speed_batch, ev.speed_batch_examples)):
+        sub = test.head(n_ex)
+        prompts = models["ar"].encode_prompts(sub["history"].tolist(), sub["candidates"].tolist())
+        if warmup:
+            for name, decoder, tau in plans:
+                models[name].decode(prompts[: max(batch, 2)], decoder, tau or 1.0, batch)
+        rows = [measure_speed(models[name], prompts, decoder, tau, batch) for name, decoder, tau in plans]
+        base = next(s for s in rows if s["model"] == "ar")
+        for s in rows:
+            s["speedup_vs_ar"] = s["tokens_per_s"] / base["tokens_per_s"]
+            s["ideal_speedup"] = s["tokens_per_forward"] / base["tokens_per_forward"]
+        speed += rows
+    return speed
+
+
 def evaluate_generative(
     bundles: dict[str, str | Path], test: pd.DataFrame, profile: Profile
 ) -> tuple[list[dict], list[dict]]:
@@ -102,22 +130,8 @@ def evaluate_generative(
         log.info("evaluate %s (%s, tau=%s) on %d test lists", name, decoder, tau, len(test))
         rows.append(decode_rows(models[name], test, decoder, tau, profile))
 
-    # Speed, side by side: same prompts (the first test lists), same threads, batch 1 and the serving batch.
-    ar = models["ar"]
     speed_plans = [p for p in plans if p[0] == "ar" or (p[1] == "diffusion" and p[0] != "naive")]
-    speed: list[dict] = []
-    for batch, n_ex in ((1, ev.speed_examples), (ev.speed_batch, ev.speed_batch_examples)):
-        sub = test.head(n_ex)
-        prompts = ar.encode_prompts(sub["history"].tolist(), sub["candidates"].tolist())
-        base = None
-        for name, decoder, tau in speed_plans:
-            s = measure_speed(models[name], prompts, decoder, tau, batch)
-            if name == "ar":
-                base = s
-            speed.append(s)
-        for s in speed[-len(speed_plans) :]:
-            s["speedup_vs_ar"] = s["tokens_per_s"] / base["tokens_per_s"]
-            s["ideal_speedup"] = s["tokens_per_forward"] / base["tokens_per_forward"]
+    speed = speed_table(models, speed_plans, test, ev)
     # Each row's own speed figures are its batch-1 ones.
     b1 = {(s["model"], s["tau"]): s for s in speed if s["batch"] == 1}
     for row in rows:

@@ -89,6 +89,9 @@ class DiffusionConfig:
     complementary: bool = True  # CFT: second view masks exactly the complement (Fast-dLLM v2)
     loss_weighting: str = "inv_t"  # "inv_t" (masked-diffusion ELBO weight 1/t) | "none"
     pad_weight: float = 0.0  # loss weight of block-padding positions after the response (0 = excluded)
+    # CFT targets: "teacher" = the AR teacher's greedy response to each SFT prompt (sequence-level distillation;
+    # see gr2/stages/train_stages.py teacher_records), "sft" = the rejection-sampled SFT responses.
+    cft_targets: str = "teacher"
 
 
 @dataclass(frozen=True)

@@ -223,6 +223,9 @@ def diffusion_generate(
         ).logits[:, -1]
         nfe += 1
 
+    if use_cache:
+        # Every response row's attention over prompt + response, built once; each block's masks are slices.
+        resp_rows = attention_rows(P, torch.arange(P, P + L, device=dev), P + L, block_size, pad_lens)
     end = 0  # response columns reached so far
     for s0 in range(0, L, block_size):
         if bool(done.all()):
@@ -235,11 +238,11 @@ def diffusion_generate(
         block[done] = fill
         pending = use_cache and s0 > 0  # previous block's KV not yet in the cache
         if use_cache:
-            # The block's attention rows and positions, built once: [finished block, canvas] for the fold
+            # The block's attention rows and positions, sliced once: [finished block, canvas] for the fold
             # round, the canvas rows alone for the other rounds.
             n_pend = block_size if pending else 0
             cols = torch.arange(P + s0 - n_pend, P + s0 + cl, device=dev)
-            fold_mask = attention_rows(P, cols, P + s0 + cl, block_size, pad_lens)
+            fold_mask = resp_rows[:, :, s0 - n_pend : s0 + cl, : P + s0 + cl].contiguous()
             fold_pos = position_ids_for(pad_lens, cols)
             canvas_mask, canvas_pos = fold_mask[:, :, n_pend:].contiguous(), fold_pos[:, n_pend:]
         eos_seen = False  # no row can finish inside this block before some row commits an eos in it

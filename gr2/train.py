@@ -177,7 +177,7 @@ def _load_checkpoint(ckpt: Path, model: torch.nn.Module, opt: Any) -> int:
     return int(state["step"])
 
 
-def _truncate_log(path: Path, upto_step: int) -> list[dict[str, Any]]:
+def truncate_log(path: Path, upto_step: int) -> list[dict[str, Any]]:
     """Keep the log lines of steps < upto_step (a killed run may have logged steps past its checkpoint)."""
     if not path.exists():
         return []
@@ -243,7 +243,7 @@ def train(
     log_path = out / LOG_FILE
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        _truncate_log(log_path, start)
+        truncate_log(log_path, start)
     acc.wait_for_everyone()
 
     res = TrainResult(step=start, start_step=start, total_steps=total, out_dir=out, log_path=log_path)

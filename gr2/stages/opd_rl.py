@@ -31,7 +31,7 @@ from gr2.opd import kl_per_token, make_opd_batch, opd_loss, sequence_mean
 from gr2.reward import response_reward
 from gr2.rl import RolloutBatch, group_advantages, grpo_loss, policy_logits, rollout_batch, sample
 from gr2.stages.prepare import SFTData
-from gr2.train import LOG_FILE, TrainResult, _truncate_log, latest_checkpoint, train
+from gr2.train import LOG_FILE, TrainResult, latest_checkpoint, train, truncate_log
 
 log = logging.getLogger(__name__)
 ROLLOUT_LOG = "rollout_log.jsonl"
@@ -181,7 +181,7 @@ def _run(model, batches_fn, fn, cfg: TrainConfig, out: Path) -> TrainResult:
     out.mkdir(parents=True, exist_ok=True)
     ckpt = latest_checkpoint(out)
     start = int(ckpt.name.split("_")[1]) if ckpt is not None else 0
-    _truncate_log(out / ROLLOUT_LOG, start)
+    truncate_log(out / ROLLOUT_LOG, start)
     res = train(model, batches_fn, LoggedLoss(fn, out / ROLLOUT_LOG), cfg, out)
     plot_curves(out)
     return res

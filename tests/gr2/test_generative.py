@@ -17,7 +17,7 @@ from gr2.inference import RankRequest, load_reranker
 from gr2.retriever import CoocRetriever
 from gr2.stages.evaluate import evaluate_generative
 from gr2.stages.prepare import SFTData, prepare_sft
-from gr2.stages.train_stages import convert, train_ar_teacher, train_cft
+from gr2.stages.train_stages import TEACHER_TARGETS, convert, teacher_records, train_ar_teacher, train_cft
 
 OVERRIDES = {
     "sid.content_weight": 0.0,  # content-free SIDs keep this fast (the title model is tested in test_sid.py)
@@ -119,6 +119,65 @@ def test_cft_changes_weights_and_keeps_block_size(pipeline):
     assert any(
         not torch.equal(a, b) for a, b in zip(naive.model.parameters(), cft.model.parameters(), strict=True)
     )
+
+
+def test_cft_trains_on_the_teachers_greedy_responses(pipeline):
+    """Each CFT target is the AR teacher's greedy response where that is valid, else the SFT response."""
+    data, prof = pipeline["data"], pipeline["prof"]
+    meta = json.loads((pipeline["cft"] / "reranker.json").read_text())
+    assert meta["cft_targets"]["targets"] == "teacher" == meta["train"]["targets"]
+    saved = torch.load(pipeline["root"] / "cft" / TEACHER_TARGETS)
+    records, sft = saved["records"], data.records["trace"]
+    assert len(records) == len(sft) == meta["cft_targets"]["n_records"]
+    teacher = load_reranker(pipeline["ar"])
+    open_id = teacher.tokenizer.convert_tokens_to_ids("{")
+    sub = list(range(0, len(sft), max(len(sft) // 24, 1)))
+    greedy = teacher.decode([list(sft[i][0]) for i in sub], "ar", 1.0, 8).responses
+    n = prof.data.n_candidates
+    for i, g in zip(sub, greedy, strict=True):
+        prompt, resp, w = records[i]
+        assert list(prompt) == list(sft[i][0])
+        if teacher.read_answer(g, n)[1] and open_id in g:
+            a = g.index(open_id)
+            assert list(resp) == g
+            assert w == [prof.sft.trace_weight] * a + [prof.sft.answer_weight] * (len(g) - a)
+        else:
+            assert (list(resp), list(w)) == (list(sft[i][1]), list(sft[i][2]))
+
+
+class _FakeTeacher:
+    """Answers prompt [p] with a fixed response: valid when p is even."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.calls = 0
+        self.open_id = tokenizer.convert_tokens_to_ids("{")
+
+    def decode(self, prompts, decoder, tau, batch_size):
+        assert decoder == "ar"
+        self.calls += 1
+        return type("D", (), {"responses": [[7, 8, self.open_id, p[0], 2] for p in prompts]})()
+
+    def read_answer(self, response, n):
+        return [], response[3] % 2 == 0, None, None
+
+
+def test_teacher_records_fall_back_and_resume_from_cache(pipeline, tmp_path):
+    prof, tok = pipeline["prof"], pipeline["data"].tokenizer
+    sft = [([p], [5, 6, 2], [0.5, 1.0, 1.0]) for p in range(5)]
+    fake = _FakeTeacher(tok)
+    cache = tmp_path / TEACHER_TARGETS
+    recs, stats = teacher_records(fake, sft, prof, cache)
+    t, a = prof.sft.trace_weight, prof.sft.answer_weight
+    for p, r in enumerate(recs):
+        if p % 2 == 0:  # valid teacher answer: its tokens, trace weight before "{", answer weight from it
+            assert r == ([p], [7, 8, fake.open_id, p, 2], [t, t, a, a, a])
+        else:  # invalid: the SFT record unchanged
+            assert r == sft[p]
+    assert stats["teacher_frac"] == pytest.approx(3 / 5) and stats["n_records"] == 5
+    calls = fake.calls
+    again, stats2 = teacher_records(fake, sft, prof, cache)
+    assert again == recs and stats2 == stats and fake.calls == calls  # reloaded, not decoded again
 
 
 def test_evaluate_rows_and_speed(pipeline):

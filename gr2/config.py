@@ -147,6 +147,9 @@ class EvalConfig:
     speed_batch: int = 32  # the serving batch measured beside batch 1
     speed_batch_examples: int = 128  # lists decoded at speed_batch
     threads: int = 2  # torch threads while timing (the same for every decoder)
+    # Every speed plan runs this many times, interleaved (AR, then each diffusion plan, then again); a row's
+    # tokens/s and speedup are the medians over the repeats (one pass moved the batch-1 ratio by ~10%).
+    speed_repeats: int = 5
 
 
 @dataclass(frozen=True)

@@ -144,10 +144,10 @@ def select_commits(
     logits [B, C, V] (already token-shifted: row j predicts canvas position j), masked [B, C].
     Returns (commit [B, C] bool, greedy tokens [B, C]).
     """
-    logits = logits.float()
-    top, pred = logits.max(-1)
-    conf = (top - logits.logsumexp(-1)).exp()  # top-1 probability without materialising the softmax
-    return threshold_commits(conf, masked, tau), pred
+    # The same ops as gr2/rl.py's temperature-0 pick (max of log_softmax), so greedy decoding and greedy RL
+    # rollouts commit identically; one fused log_softmax is also faster on the CPU than max + logsumexp.
+    top_lp, pred = logits.float().log_softmax(-1).max(-1)
+    return threshold_commits(top_lp.exp(), masked, tau), pred
 
 
 def _crop_to(cache: DynamicCache, length: int) -> None:

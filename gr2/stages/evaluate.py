@@ -12,6 +12,7 @@ speedup would be if a block forward cost what an AR step costs), so the per-forw
 from __future__ import annotations
 
 import logging
+import statistics
 from pathlib import Path
 
 import pandas as pd
@@ -85,21 +86,33 @@ def speed_table(
     """Speed side by side: same prompts (the first test lists), same threads, batch 1 and the serving batch.
 
     `plans` are (model name, decoder, tau); the one named "ar" is the baseline of `speedup_vs_ar` and
-    `ideal_speedup` (tokens per forward). warmup: decode a few lists per plan first, untimed (a GPU's kernels
-    and allocator; on the CPU the models have already decoded the whole test split)."""
+    `ideal_speedup` (tokens per forward). The plans run `ev.speed_repeats` times, interleaved; each row keeps
+    the median tokens/s and the median of its per-repeat ratio to AR. warmup: decode a few lists per plan
+    first, untimed (a GPU's kernels and allocator; on the CPU the models have already decoded the whole test
+    split)."""
     speed: list[dict] = []
+    base_i = next(i for i, p in enumerate(plans) if p[0] == "ar")
     for batch, n_ex in ((1, ev.speed_examples), (ev.speed_batch, ev.speed_batch_examples)):
         sub = test.head(n_ex)
         prompts = models["ar"].encode_prompts(sub["history"].tolist(), sub["candidates"].tolist())
         if warmup:
             for name, decoder, tau in plans:
                 models[name].decode(prompts[: max(batch, 2)], decoder, tau or 1.0, batch)
-        rows = [measure_speed(models[name], prompts, decoder, tau, batch) for name, decoder, tau in plans]
-        base = next(s for s in rows if s["model"] == "ar")
-        for s in rows:
-            s["speedup_vs_ar"] = s["tokens_per_s"] / base["tokens_per_s"]
-            s["ideal_speedup"] = s["tokens_per_forward"] / base["tokens_per_forward"]
-        speed += rows
+        reps = [
+            [measure_speed(models[name], prompts, decoder, tau, batch) for name, decoder, tau in plans]
+            for _ in range(max(ev.speed_repeats, 1))
+        ]
+        for i in range(len(plans)):
+            runs = [rep[i] for rep in reps]
+            # Each ratio pairs a plan with the AR pass of the same repeat (seconds apart); then the median.
+            row = {**runs[0], "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs)}
+            row["speedup_vs_ar"] = statistics.median(
+                r["tokens_per_s"] / rep[base_i]["tokens_per_s"] for r, rep in zip(runs, reps, strict=True)
+            )
+            row["ideal_speedup"] = row["tokens_per_forward"] / reps[0][base_i]["tokens_per_forward"]
+            row["seconds"] = sum(r["seconds"] for r in runs)
+            row["repeats"] = len(runs)
+            speed.append(row)
     return speed
 
 

@@ -119,6 +119,7 @@ def teacher_records(
     open_id = tok.convert_tokens_to_ids("{")
     n = profile.data.n_candidates
     bs = profile.eval.batch_size
+    sft = profile.sft
     out: list[SFTRecord] = []
     n_teacher = n_same = 0
     t0 = time.perf_counter()
@@ -128,7 +129,6 @@ def teacher_records(
         for r, resp in zip(chunk, decoded.responses, strict=True):
             if teacher.read_answer(resp, n)[1] and open_id in resp:
                 a = resp.index(open_id)
-                sft = profile.sft
                 w = [sft.trace_weight] * a + [sft.answer_weight] * (len(resp) - a)
                 out.append(SFTRecord(list(r[0]), list(resp), w))
                 n_teacher += 1

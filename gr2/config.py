@@ -92,6 +92,10 @@ class DiffusionConfig:
     # CFT targets: "teacher" = the AR teacher's greedy response to each SFT prompt (sequence-level distillation;
     # see gr2/stages/train_stages.py teacher_records), "sft" = the rejection-sampled SFT responses.
     cft_targets: str = "teacher"
+    # CFT certainty forcing (dParallel): + this weight * entropy at masked positions the student already predicts
+    # right (gr2/losses.py _masked_ce). Bench CFT on Beauty, 500 validation lists, tau 0.9: 4.77 tokens per forward
+    # with 1.0 against 3.49 with 0, recall@1 0.340 against 0.322, validity 1.000 both.
+    certainty_weight: float = 1.0
 
 
 @dataclass(frozen=True)

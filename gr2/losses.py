@@ -6,7 +6,7 @@ left-padded to width P, responses right-padded to R (a multiple of block_size fo
 two samples and padding never enters the loss unless `pad_weight` > 0).
 
 Both losses are token averages over the response tokens with weight > 0 (so the AR and CFT numbers are on the
-same scale): sum(weight * CE) / count.
+same scale): sum(weight * CE) / count. CFT can add certainty forcing (`certainty_weight`, see `_masked_ce`).
 """
 
 from __future__ import annotations
@@ -145,6 +145,7 @@ def diffusion_loss_from_masks(
     block_size: int,
     mask_id: int,
     weighting: str = "inv_t",
+    certainty_weight: float = 0.0,
 ) -> torch.Tensor:
     """Masked-diffusion CE for given masks [V, B, R] (all views in one forward of V*B rows, BD3-LM layout).
 
@@ -168,7 +169,7 @@ def diffusion_loss_from_masks(
         position_ids=pos,
         logits_to_keep=src,
     ).logits  # [V*B, R, vocab]
-    return _masked_ce(logits, x0, batch.weights[:, P:], masks, p_mask, weighting)
+    return _masked_ce(logits, x0, batch.weights[:, P:], masks, p_mask, weighting, certainty_weight)
 
 
 def _masked_ce(
@@ -178,17 +179,34 @@ def _masked_ce(
     masks: torch.Tensor,
     p_mask: torch.Tensor,
     weighting: str,
+    certainty_weight: float = 0.0,
 ) -> torch.Tensor:
+    """Weighted CE over the masked response positions (+ certainty forcing when certainty_weight > 0).
+
+    Certainty forcing (dParallel, Chen et al. 2025): + certainty_weight * the mean entropy of the predictive
+    distribution over the masked positions (weight > 0) whose arg-max already is the target. Why: the decoder
+    commits a position in a round only when its top-1 probability clears tau; a student that is right but
+    unsure (0.6 on the teacher's token) takes one round per such position. Sharpening only the positions it gets
+    right leaves the wrong ones to the CE term, so the arg-max (what greedy decoding writes) does not move.
+    """
     V = masks.shape[0]
     sel = masks.flatten(0, 1)
     tgt = x0.repeat(V, 1)[sel]
-    ce = F.cross_entropy(logits.flatten(0, 1)[sel.flatten()].float(), tgt, reduction="none")
-    scale = w.repeat(V, 1)[sel]
+    lg = logits.flatten(0, 1)[sel.flatten()].float()
+    ce = F.cross_entropy(lg, tgt, reduction="none")
+    wsel = w.repeat(V, 1)[sel]
+    scale = wsel
     if weighting == "inv_t":
         scale = scale / p_mask.flatten(0, 1)[sel]
     elif weighting != "none":
         raise ValueError(f"unknown weighting {weighting!r} (inv_t | none)")
-    return (ce * scale).sum() / (V * (w > 0).sum().clamp(min=1))
+    loss = (ce * scale).sum() / (V * (w > 0).sum().clamp(min=1))
+    if certainty_weight > 0:
+        right = (wsel > 0) & (lg.argmax(-1) == tgt)
+        logp = lg.log_softmax(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        loss = loss + certainty_weight * (entropy * right).sum() / right.sum().clamp(min=1)
+    return loss
 
 
 def diffusion_loss_loop(
@@ -199,6 +217,7 @@ def diffusion_loss_loop(
     block_size: int,
     mask_id: int,
     weighting: str = "inv_t",
+    certainty_weight: float = 0.0,
 ) -> torch.Tensor:
     """Reference for `diffusion_loss_from_masks`: one forward per (view, block) over [prompt, clean blocks < b,
     noisy block b] under `block_causal_mask`, exactly the decoder's view of a block. Slow; for tests/benchmarks."""
@@ -218,7 +237,7 @@ def diffusion_loss_loop(
                 position_ids=position_ids_for(batch.pad_lens, cols),
             ).logits
             out[v, :, s0 : s0 + block_size] = logits[:, P + s0 - 1 : T - 1]
-    return _masked_ce(out.flatten(0, 1), x0, batch.weights[:, P:], masks, p_mask, weighting)
+    return _masked_ce(out.flatten(0, 1), x0, batch.weights[:, P:], masks, p_mask, weighting, certainty_weight)
 
 
 def masked_diffusion_loss(
@@ -230,10 +249,14 @@ def masked_diffusion_loss(
     noise_eps: float = 0.05,
     complementary: bool = True,
     weighting: str = "inv_t",
+    certainty_weight: float = 0.0,
 ) -> torch.Tensor:
     """CFT objective (PAPER 3.2): block masked diffusion with complementary masks, 1/t weighting, answer/trace
-    weights, block-causal attention and the AR token shift. `batch` must be collated with this block_size."""
+    weights, block-causal attention and the AR token shift, plus optional certainty forcing (`_masked_ce`).
+    `batch` must be collated with this block_size."""
     if batch.resp_len % block_size:
         raise ValueError(f"response width {batch.resp_len} is not a multiple of block_size {block_size}")
     masks, p_mask = sample_masks(batch, block_size, rng, noise_eps, complementary)
-    return diffusion_loss_from_masks(model, batch, masks, p_mask, block_size, mask_id, weighting)
+    return diffusion_loss_from_masks(
+        model, batch, masks, p_mask, block_size, mask_id, weighting, certainty_weight
+    )

@@ -20,7 +20,8 @@ STAGES = {
     "ar_no_trace": "ablation: the AR teacher trained on the answer alone (no trace)",
     "naive": "the AR teacher converted to block diffusion with no training (the structural gap)",
     "cft": "block diffusion after conversion fine-tuning (masked diffusion inside blocks on the SFT prompts; "
-    "targets per diffusion.cft_targets, by default the AR teacher's greedy responses)",
+    "targets per diffusion.cft_targets, by default the AR teacher's greedy responses; certainty forcing per "
+    "diffusion.certainty_weight)",
     "opd": "block diffusion after on-policy distillation from the AR teacher",
     "rl": "block diffusion after GRPO on its own decoding trajectories: the deployable student",
 }

@@ -26,7 +26,9 @@ class BadRequest(ValueError):
 @dataclass(frozen=True)
 class ServeConfig:
     max_batch: int = 16  # micro-batch size cap (requests decoded together)
-    max_wait_ms: float = 2.0  # how long the batcher waits to fill a batch after the first request
+    # How long the batcher waits to fill a batch after the first request. 0 = greedy: an idle server decodes a
+    # request at once, and requests that arrive while a batch decodes form the next batch (serving/batcher.py).
+    max_wait_ms: float = 0.0
     max_instances: int = 64  # instances per HTTP request
     max_body_bytes: int = 256 * 1024  # larger payloads get 413
     min_candidates: int = 2  # fewer is not a ranking problem

@@ -184,6 +184,7 @@ def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir
         noise_eps=dc.noise_eps,
         complementary=dc.complementary,
         weighting=dc.loss_weighting,
+        certainty_weight=dc.certainty_weight,
     )
     res = _fit(model, records, collate_fn, loss_fn, profile.cft, out / "train")
     meta = {
@@ -191,7 +192,11 @@ def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir
         "name": "cft",
         "stage": "cft",
         "parent": str(naive_bundle),
-        "train": {**_summary(res, model, len(records)), "targets": targets["targets"]},
+        "train": {
+            **_summary(res, model, len(records)),
+            "targets": targets["targets"],
+            "certainty_weight": dc.certainty_weight,
+        },
         "cft_targets": targets,
     }
     log.info("train_cft: %s", meta["train"])

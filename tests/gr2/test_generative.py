@@ -126,6 +126,7 @@ def test_cft_trains_on_the_teachers_greedy_responses(pipeline):
     data, prof = pipeline["data"], pipeline["prof"]
     meta = json.loads((pipeline["cft"] / "reranker.json").read_text())
     assert meta["cft_targets"]["targets"] == "teacher" == meta["train"]["targets"]
+    assert meta["train"]["certainty_weight"] == prof.diffusion.certainty_weight > 0
     saved = torch.load(pipeline["root"] / "cft" / TEACHER_TARGETS)
     records, sft = saved["records"], data.records["trace"]
     assert len(records) == len(sft) == meta["cft_targets"]["n_records"]

@@ -13,6 +13,7 @@ import torch
 
 from gr2.config import ModelConfig, TrainConfig
 from gr2.losses import (
+    _masked_ce,
     ar_batch_loss,
     ar_loss,
     collate,
@@ -95,6 +96,44 @@ def test_vectorised_diffusion_loss_equals_block_loop():
         fast = diffusion_loss_from_masks(model, b, masks, p, bs, MASK)
         slow = diffusion_loss_loop(model, b, masks, p, bs, MASK)
         assert torch.allclose(fast, slow, atol=1e-5), (bs, fast, slow)
+        sharp = diffusion_loss_from_masks(model, b, masks, p, bs, MASK, certainty_weight=0.5)
+        sharp_slow = diffusion_loss_loop(model, b, masks, p, bs, MASK, certainty_weight=0.5)
+        assert torch.allclose(sharp, sharp_slow, atol=1e-5) and sharp > fast + 1e-3, (bs, sharp, fast)
+
+
+def _certainty_case():
+    """One row, 4 positions, vocab 3: position 0 masked and right, 1 masked and wrong, 2 masked and right with
+    weight 0 (padding), 3 not masked."""
+    logits = torch.tensor([[[2.0, 0.5, 0.1], [0.3, 1.5, 0.2], [0.1, 0.2, 3.0], [1.0, 1.0, 1.0]]])
+    x0 = torch.tensor([[0, 2, 2, 1]])
+    w = torch.tensor([[1.0, 0.5, 0.0, 1.0]])
+    masks = torch.tensor([[[True, True, True, False]]])
+    return logits, x0, w, masks, torch.full((1, 1, 4), 0.5)
+
+
+def test_certainty_forcing_adds_mean_entropy_of_right_predictions_only():
+    logits, x0, w, masks, p = _certainty_case()
+    base = _masked_ce(logits, x0, w, masks, p, "inv_t")
+    lp = logits[0].log_softmax(-1)
+    manual_ce = (-lp[0, 0] * 1.0 / 0.5 - lp[1, 2] * 0.5 / 0.5) / 3  # 3 response tokens with weight > 0
+    assert torch.allclose(base, manual_ce)
+    entropy0 = -(lp[0].exp() * lp[0]).sum()  # only position 0 is masked, weighted and right
+    sharp = _masked_ce(logits, x0, w, masks, p, "inv_t", certainty_weight=2.0)
+    assert torch.allclose(sharp, base + 2.0 * entropy0)
+
+
+def test_certainty_forcing_leaves_wrong_predictions_to_the_ce():
+    """The extra gradient is zero at the wrong position and raises the top-1 probability at the right one."""
+    logits, x0, w, masks, p = _certainty_case()
+    grads = []
+    for beta in (0.0, 1.0):
+        lg = logits.clone().requires_grad_(True)
+        _masked_ce(lg, x0, w, masks, p, "inv_t", certainty_weight=beta).backward()
+        grads.append(lg.grad[0])
+    extra = grads[1] - grads[0]
+    assert torch.allclose(extra[1:], torch.zeros_like(extra[1:]))
+    stepped = logits[0, 0] - 0.1 * extra[0]
+    assert stepped.softmax(-1)[0] > logits[0, 0].softmax(-1)[0]
 
 
 def test_diffusion_loss_all_masked_block1_is_ar_loss():

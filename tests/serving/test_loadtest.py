@@ -58,9 +58,13 @@ def test_tiny_run_writes_report(predictor, model_dir, tmp_path):
             "rps",
             "errors",
             "model_uri",
+            "queue_p50_ms",
+            "model_p50_ms",
         }
         assert set(r) == keys
         assert r["errors"] == 0 and r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"] and r["rps"] > 0
+        # the server's own split: the model call is part of what the client waited for
+        assert 0 < r["model_p50_ms"] < r["p99_ms"] and r["queue_p50_ms"] >= 0
     assert rows[0]["tau"] is None and rows[2]["tau"] == 0.9
     assert "| diffusion | 0.9 | 4 |" in out.with_suffix(".md").read_text()
     ratios = report["diffusion_vs_ar"]

@@ -43,6 +43,38 @@ def test_batcher_batches_concurrent_requests_and_keeps_order():
     assert b.largest_batch == 4 and out[0].batch_size == 4
 
 
+def test_greedy_batcher_runs_an_idle_request_at_once_and_batches_what_queued_meanwhile():
+    """max_wait_ms=0 (the serving default): no added wait when idle; requests that arrive while a batch decodes
+    form the next batch together."""
+    started, release = threading.Event(), threading.Event()
+    calls = []
+
+    def rank(reqs, decoder, tau):
+        calls.append(len(reqs))
+        started.set()
+        if len(calls) == 1:
+            release.wait(timeout=30)  # hold the first batch while the others queue
+        return FloorReranker().rank(reqs)
+
+    async def main():
+        b = MicroBatcher(rank, max_batch=8, max_wait_ms=0)
+        first = asyncio.ensure_future(b.submit(RankRequest("u0", ["a", "b"], []), "diffusion", 0.9))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        rest = [
+            asyncio.ensure_future(b.submit(RankRequest(f"u{k}", ["a", "b"], []), "diffusion", 0.9))
+            for k in range(1, 6)
+        ]
+        await asyncio.sleep(0.02)
+        release.set()
+        return await first, await asyncio.gather(*rest)
+
+    first, rest = asyncio.run(main())
+    assert calls == [1, 5]
+    assert first.batch_size == 1 and first.queue_ms < 20
+    assert [t.batch_size for t in rest] == [5] * 5
+
+
 def test_batcher_never_blocks_the_event_loop_and_survives_errors():
     release = threading.Event()
     seen = []

@@ -7,6 +7,7 @@ import json
 import pandas as pd
 import pytest
 
+from pipelines.compare_models import main as compare_models
 from pipelines.run_local import run_local
 from pipelines.speed_check import main as speed_check
 from tests.components.slices import SLICE_BOUNDS, SLICE_USERS, require_slice
@@ -95,6 +96,19 @@ def test_local_run_writes_report(tmp_path):
     ]
     assert all(s["tokens_per_s"] > 0 for s in sp["speed"])
     assert [s["speedup_vs_ar"] for s in sp["speed"] if s["model"] == "ar"] == [1.0, 1.0]
+    # The paired comparison (pipelines/compare_models.py) decodes as the evaluation did: its A and B are the
+    # report's rows, and the delta is their difference.
+    rows = {(r["model"], r["tau"]): r for r in rep["rows"]}
+    cmp = compare_models(
+        ["--run", str(tmp_path / "smoke"), "--a", "rl", "--b", "ar", "--out", str(tmp_path / "c.json")]
+    )
+    r1 = cmp["metrics"]["recall@1"]
+    assert cmp["n"] == floor["n_users"] and cmp["tau"] == 0.5
+    assert r1["rl"] == pytest.approx(rows[("rl", 0.5)]["recall@1"]) and r1["ar"] == pytest.approx(
+        rows[("ar", None)]["recall@1"]
+    )
+    assert r1["delta"] == pytest.approx(r1["rl"] - r1["ar"]) and r1["ci95"][0] <= r1["delta"] <= r1["ci95"][1]
+    assert json.loads((tmp_path / "c.json").read_text()) == cmp
 
 
 def test_failed_validation_stops_the_pipeline(tmp_path):

@@ -1,0 +1,87 @@
+"""Paired comparison of two models of a finished run on one split: A - B per metric, with the paired bootstrap CI.
+
+The stage table gives each model's CI on its own; whether two close rows really differ needs the paired CI
+(the same lists resampled for both). This uses the report's machinery (`gr2.metrics.evaluate`, the same seed and
+bootstrap samples as the profile), with B in the place of the floor:
+
+    python -m pipelines.compare_models --run runs/latest --a ar --b ar_sft --split test
+
+prints (and with --out writes) JSON: the split, n lists, and per metric A, B, A - B and its 95% CI. Diffusion
+models decode at --tau (default the profile's eval_tau); AR models with the AR decoder. Same decoding as the
+evaluation step, so A and B match their rows of report.json on the test split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from gr2.config import Profile, load_profile
+from gr2.generative import GenerativeReranker
+from gr2.metrics import apply_fallback, evaluate
+from gr2.stages.evaluate import load
+from pipelines.speed_check import find_bundles
+
+
+def rankings(
+    model: GenerativeReranker, examples: pd.DataFrame, tau: float, profile: Profile
+) -> list[list[int]]:
+    """Greedy rankings of `examples`, invalid outputs replaced by the upstream order (as the report scores them)."""
+    prompts = model.encode_prompts(examples["history"].tolist(), examples["candidates"].tolist())
+    decoder = "ar" if model.block_size == 0 else "diffusion"
+    out = model.decode(prompts, decoder, tau if decoder == "diffusion" else 1.0, profile.eval.batch_size)
+    n = profile.data.n_candidates
+    answers = [model.read_answer(r, n) for r in out.responses]
+    return apply_fallback([a[0] for a in answers], [a[1] for a in answers], n)
+
+
+def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> dict:
+    report = json.loads((run / "report.json").read_text())
+    profile = load_profile(report["profile"])
+    torch.set_num_threads(profile.eval.threads)
+    tau = profile.diffusion.eval_tau if tau is None else tau
+    examples = pd.read_parquet(next(run.glob("kfp/*/candidates/examples")))
+    df = examples[examples["split"] == split].reset_index(drop=True)
+    if df.empty:
+        raise SystemExit(f"no examples in split {split!r}")
+    bundles = find_bundles(run, [a, b])
+    ranks = {name: rankings(load(bundles[name]), df, tau, profile) for name in (a, b)}
+    kw = {"n_boot": profile.bootstrap_samples, "seed": profile.seed}
+    row_a = evaluate(df, ranks[a], floor_rankings=ranks[b], **kw)
+    row_b = evaluate(df, ranks[b], **kw)
+    metrics = {
+        m: {
+            a: row_a[m],
+            b: row_b[m],
+            "delta": row_a["delta_vs_floor_mean"][m],
+            "ci95": row_a["delta_vs_floor"][m],
+        }
+        for m in row_a["delta_vs_floor"]
+    }
+    return {"run": str(run), "a": a, "b": b, "split": split, "tau": tau, "n": len(df), "metrics": metrics}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", default="runs/latest", help="a run directory (make run / make bench)")
+    ap.add_argument("--a", required=True, help="bundle name, e.g. ar")
+    ap.add_argument("--b", required=True, help="bundle name, e.g. ar_sft")
+    ap.add_argument("--split", default="test", choices=["train", "val", "test"])
+    ap.add_argument("--tau", type=float, help="diffusion commit threshold (default: the profile's eval_tau)")
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args(argv)
+    res = compare(Path(args.run).resolve(), args.a, args.b, args.split, args.tau)
+    text = json.dumps(res, indent=2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return res
+
+
+if __name__ == "__main__":
+    main()

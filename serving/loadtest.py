@@ -2,7 +2,8 @@
 
     python -m serving.loadtest --model_uri <diffusion bundle> --ar_model_uri <AR teacher bundle> \
         --decoders ar diffusion --concurrency 1 2 4 8 --requests 200 --out benchmarks/serving
-starts the predictor (one model at a time: the AR rows decode the AR teacher) on 127.0.0.1 (or use --url for a running server / the transformer), sends v1 requests
+starts one predictor per decoder on 127.0.0.1 (the AR rows decode the AR teacher; or use --url for a running server /
+the transformer), lets the decoders take turns at each concurrency level (side by side), sends v1 requests
 built from real examples (--examples parquet: user_id, history, candidates) or from the model's item catalogue,
 and writes <out>.json / <out>.md: rows of decoder, tau, concurrency, p50_ms, p95_ms, p99_ms, rps, errors,
 plus the command, machine and git sha.
@@ -190,18 +191,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.url is None and not a.model_uri:
         sys.exit("give --url or --model_uri")
     rows = []
-    for decoder in a.decoders:
-        # AR rows decode the AR teacher (--ar_model_uri) when given: the student's own AR decoding is not the
-        # baseline the diffusion decoder is meant to beat. Same server code, same requests, same settings.
-        uri = a.ar_model_uri if decoder == "ar" and a.ar_model_uri else a.model_uri
-        with _server(a, uri) as url:
+    # Both servers stay up and the decoders take turns at each concurrency level, so a drift of the machine
+    # between levels hits AR and diffusion alike (the ratios are side by side). AR rows decode the AR teacher
+    # (--ar_model_uri) when given: the student's own AR decoding is not the baseline the diffusion decoder is
+    # meant to beat. Same server code, same requests, same settings.
+    with contextlib.ExitStack() as stack:
+        served = {}
+        for decoder in a.decoders:
+            uri = a.ar_model_uri if decoder == "ar" and a.ar_model_uri else a.model_uri
+            url = stack.enter_context(_server(a, uri))
             instances = load_instances(a.examples, uri, a.requests, a.n_candidates, a.seed)
             asyncio.run(run_level(url, a.model_name, instances, decoder, a.tau, 1, 3))  # warm-up
-            for c in a.concurrency:
+            served[decoder] = (uri, url, instances)
+        for c in a.concurrency:
+            for decoder, (uri, url, instances) in served.items():
                 row = asyncio.run(run_level(url, a.model_name, instances, decoder, a.tau, c, a.requests))
                 row["model_uri"] = uri
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+    rows.sort(key=lambda r: a.decoders.index(r["decoder"]))  # stable: per decoder, in concurrency order
     report = {
         "command": "python -m serving.loadtest " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, python {platform.python_version()}",

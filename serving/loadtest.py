@@ -3,7 +3,7 @@
     python -m serving.loadtest --model_uri <diffusion bundle> --ar_model_uri <AR teacher bundle> \
         --decoders ar diffusion --concurrency 1 2 4 8 --requests 200 --out benchmarks/serving
 starts one predictor per decoder on 127.0.0.1 (the AR rows decode the AR teacher; or use --url for a running server /
-the transformer), lets the decoders take turns at each concurrency level (side by side), sends v1 requests
+the transformer), lets the decoders alternate in --turns turns at each concurrency level (side by side), sends v1 requests
 built from real examples (--examples parquet: user_id, history, candidates) or from the model's item catalogue,
 and writes <out>.json / <out>.md: rows of decoder, tau, concurrency, p50_ms, p95_ms, p99_ms, rps, errors,
 plus the command, machine and git sha.
@@ -22,6 +22,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,18 +61,35 @@ def load_instances(
     ]
 
 
-async def run_level(
-    url: str, model: str, instances: list[dict], decoder: str, tau: float, concurrency: int, n_requests: int
-) -> dict[str, Any]:
-    lat: list[float] = []
-    server: dict[str, list[float]] = {"queue": [], "model": []}  # the predictor's own timing_ms per request
-    errors = 0
+@dataclass
+class Samples:
+    """Raw measurements of one decoder at one concurrency level (possibly gathered over several turns)."""
+
+    lat: list[float] = field(default_factory=list)  # client-side latency of each successful request, ms
+    queue: list[float] = field(default_factory=list)  # the predictor's own timing_ms per request
+    model: list[float] = field(default_factory=list)
+    errors: int = 0
+    wall_s: float = 0.0
+
+
+async def measure(
+    url: str,
+    model: str,
+    instances: list[dict],
+    decoder: str,
+    tau: float,
+    concurrency: int,
+    n_requests: int,
+    first: int = 0,
+    into: Samples | None = None,
+) -> Samples:
+    """Send requests first .. first + n_requests - 1 (instances cycled) from `concurrency` closed-loop clients."""
+    out = into or Samples()
     queue: asyncio.Queue[int] = asyncio.Queue()
-    for k in range(n_requests):
+    for k in range(first, first + n_requests):
         queue.put_nowait(k)
 
     async def client(http: httpx.AsyncClient) -> None:
-        nonlocal errors
         while True:
             try:
                 k = queue.get_nowait()
@@ -85,33 +103,44 @@ async def run_level(
             except httpx.HTTPError:
                 ok = False
             if ok:
-                lat.append((time.perf_counter() - t0) * 1000)
+                out.lat.append((time.perf_counter() - t0) * 1000)
                 timing = r.json()["predictions"][0].get("timing_ms", {})
-                for k, xs in server.items():
-                    if k in timing:
-                        xs.append(timing[k])
+                out.queue.append(timing.get("queue", float("nan")))
+                out.model.append(timing.get("model", float("nan")))
             else:
-                errors += 1
+                out.errors += 1
 
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as http:
         t0 = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
+        out.wall_s += time.perf_counter() - t0
+    return out
+
+
+def summarize(decoder: str, tau: float, concurrency: int, s: Samples) -> dict[str, Any]:
     return {
         "decoder": decoder,
         "tau": tau if decoder == "diffusion" else None,
         "concurrency": concurrency,
-        "n": n_requests,
-        "p50_ms": round(percentile(lat, 50), 2),
-        "p95_ms": round(percentile(lat, 95), 2),
-        "p99_ms": round(percentile(lat, 99), 2),
-        "rps": round(len(lat) / wall, 2),
-        "errors": errors,
+        "n": len(s.lat) + s.errors,
+        "p50_ms": round(percentile(s.lat, 50), 2),
+        "p95_ms": round(percentile(s.lat, 95), 2),
+        "p99_ms": round(percentile(s.lat, 99), 2),
+        "rps": round(len(s.lat) / s.wall_s, 2) if s.wall_s > 0 else 0.0,
+        "errors": s.errors,
         # where the time goes: waiting in the batcher, and the model call (prompt encoding + decoding + parsing);
         # the rest of p50 is HTTP, JSON and request validation
-        "queue_p50_ms": round(percentile(server["queue"], 50), 2),
-        "model_p50_ms": round(percentile(server["model"], 50), 2),
+        "queue_p50_ms": round(percentile(s.queue, 50), 2),
+        "model_p50_ms": round(percentile(s.model, 50), 2),
     }
+
+
+async def run_level(
+    url: str, model: str, instances: list[dict], decoder: str, tau: float, concurrency: int, n_requests: int
+) -> dict[str, Any]:
+    """One decoder at one concurrency level, in one go."""
+    s = await measure(url, model, instances, decoder, tau, concurrency, n_requests)
+    return summarize(decoder, tau, concurrency, s)
 
 
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -182,6 +211,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tau", type=float, default=0.9)
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument(
+        "--turns",
+        type=int,
+        default=10,
+        help="each level's requests are split in turns; the decoders alternate",
+    )
     ap.add_argument("--n_candidates", type=int, default=10)
     ap.add_argument("--max_batch", type=int, default=16)
     ap.add_argument("--max_wait_ms", type=float, default=ServeConfig.max_wait_ms)
@@ -191,8 +226,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.url is None and not a.model_uri:
         sys.exit("give --url or --model_uri")
     rows = []
-    # Both servers stay up and the decoders take turns at each concurrency level, so a drift of the machine
-    # between levels hits AR and diffusion alike (the ratios are side by side). AR rows decode the AR teacher
+    # Both servers stay up and the decoders alternate in short turns at each concurrency level, so a drift of
+    # the machine hits AR and diffusion alike (the ratios are side by side). AR rows decode the AR teacher
     # (--ar_model_uri) when given: the student's own AR decoding is not the baseline the diffusion decoder is
     # meant to beat. Same server code, same requests, same settings.
     with contextlib.ExitStack() as stack:
@@ -204,9 +239,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             asyncio.run(run_level(url, a.model_name, instances, decoder, a.tau, 1, 3))  # warm-up
             served[decoder] = (uri, url, instances)
         for c in a.concurrency:
-            for decoder, (uri, url, instances) in served.items():
-                row = asyncio.run(run_level(url, a.model_name, instances, decoder, a.tau, c, a.requests))
-                row["model_uri"] = uri
+            samples = {d: Samples() for d in served}
+            for t in range(
+                a.turns
+            ):  # turn t sends the same requests to every decoder, one decoder after another
+                lo, hi = t * a.requests // a.turns, (t + 1) * a.requests // a.turns
+                for decoder, (_, url, instances) in served.items():
+                    asyncio.run(
+                        measure(
+                            url, a.model_name, instances, decoder, a.tau, c, hi - lo, lo, samples[decoder]
+                        )
+                    )
+            for decoder, (uri, _, _) in served.items():
+                row = {**summarize(decoder, a.tau, c, samples[decoder]), "model_uri": uri}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     rows.sort(key=lambda r: a.decoders.index(r["decoder"]))  # stable: per decoder, in concurrency order

@@ -34,6 +34,8 @@ def test_tiny_run_writes_report(predictor, model_dir, tmp_path):
             "4",
             "--requests",
             "12",
+            "--turns",
+            "5",
             "--out",
             str(out),
         ]
@@ -63,6 +65,7 @@ def test_tiny_run_writes_report(predictor, model_dir, tmp_path):
         }
         assert set(r) == keys
         assert r["errors"] == 0 and r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"] and r["rps"] > 0
+        assert r["n"] == 12  # every request of every turn is counted once
         # the server's own split: the model call is part of what the client waited for
         assert 0 < r["model_p50_ms"] < r["p99_ms"] and r["queue_p50_ms"] >= 0
     assert rows[0]["tau"] is None and rows[2]["tau"] == 0.9

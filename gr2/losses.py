@@ -192,8 +192,8 @@ def _masked_ce(
     V = masks.shape[0]
     sel = masks.flatten(0, 1)
     tgt = x0.repeat(V, 1)[sel]
-    lg = logits.flatten(0, 1)[sel.flatten()].float()
-    ce = F.cross_entropy(lg, tgt, reduction="none")
+    logp = logits.flatten(0, 1)[sel.flatten()].float().log_softmax(-1)
+    ce = F.nll_loss(logp, tgt, reduction="none")  # = cross_entropy; logp is reused by certainty forcing
     wsel = w.repeat(V, 1)[sel]
     scale = wsel
     if weighting == "inv_t":
@@ -202,8 +202,7 @@ def _masked_ce(
         raise ValueError(f"unknown weighting {weighting!r} (inv_t | none)")
     loss = (ce * scale).sum() / (V * (w > 0).sum().clamp(min=1))
     if certainty_weight > 0:
-        right = (wsel > 0) & (lg.argmax(-1) == tgt)
-        logp = lg.log_softmax(-1)
+        right = (wsel > 0) & (logp.argmax(-1) == tgt)
         entropy = -(logp.exp() * logp).sum(-1)
         loss = loss + certainty_weight * (entropy * right).sum() / right.sum().clamp(min=1)
     return loss

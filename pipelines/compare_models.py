@@ -23,7 +23,7 @@ import torch
 from gr2.config import Profile, load_profile
 from gr2.generative import GenerativeReranker
 from gr2.metrics import apply_fallback, evaluate
-from gr2.stages.evaluate import load
+from gr2.stages.evaluate import decode_answers, load
 from pipelines.speed_check import find_bundles
 
 
@@ -31,12 +31,9 @@ def rankings(
     model: GenerativeReranker, examples: pd.DataFrame, tau: float, profile: Profile
 ) -> list[list[int]]:
     """Greedy rankings of `examples`, invalid outputs replaced by the upstream order (as the report scores them)."""
-    prompts = model.encode_prompts(examples["history"].tolist(), examples["candidates"].tolist())
     decoder = "ar" if model.block_size == 0 else "diffusion"
-    out = model.decode(prompts, decoder, tau if decoder == "diffusion" else 1.0, profile.eval.batch_size)
-    n = profile.data.n_candidates
-    answers = [model.read_answer(r, n) for r in out.responses]
-    return apply_fallback([a[0] for a in answers], [a[1] for a in answers], n)
+    answers, _ = decode_answers(model, examples, decoder, tau if decoder == "diffusion" else None, profile)
+    return apply_fallback([a[0] for a in answers], [a[1] for a in answers], profile.data.n_candidates)
 
 
 def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> dict:

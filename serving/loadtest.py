@@ -135,14 +135,6 @@ def summarize(decoder: str, tau: float, concurrency: int, s: Samples) -> dict[st
     }
 
 
-async def run_level(
-    url: str, model: str, instances: list[dict], decoder: str, tau: float, concurrency: int, n_requests: int
-) -> dict[str, Any]:
-    """One decoder at one concurrency level, in one go."""
-    s = await measure(url, model, instances, decoder, tau, concurrency, n_requests)
-    return summarize(decoder, tau, concurrency, s)
-
-
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per concurrency measured for both decoders: diffusion p50 / AR p50 and diffusion req/s / AR req/s."""
     by = {(r["decoder"], r["concurrency"]): r for r in rows}
@@ -236,13 +228,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             uri = a.ar_model_uri if decoder == "ar" and a.ar_model_uri else a.model_uri
             url = stack.enter_context(_server(a, uri))
             instances = load_instances(a.examples, uri, a.requests, a.n_candidates, a.seed)
-            asyncio.run(run_level(url, a.model_name, instances, decoder, a.tau, 1, 3))  # warm-up
+            asyncio.run(measure(url, a.model_name, instances, decoder, a.tau, 1, 3))  # warm-up, not recorded
             served[decoder] = (uri, url, instances)
         for c in a.concurrency:
             samples = {d: Samples() for d in served}
-            for t in range(
-                a.turns
-            ):  # turn t sends the same requests to every decoder, one decoder after another
+            # turn t sends the same requests to every decoder, one decoder after another
+            for t in range(a.turns):
                 lo, hi = t * a.requests // a.turns, (t + 1) * a.requests // a.turns
                 for decoder, (_, url, instances) in served.items():
                     asyncio.run(

@@ -30,14 +30,21 @@ def load(bundle: str | Path) -> GenerativeReranker:
     return _load_generative(Path(bundle), read_config(bundle))
 
 
+def decode_answers(
+    model: GenerativeReranker, examples: pd.DataFrame, decoder: str, tau: float | None, profile: Profile
+) -> tuple[list[tuple], list[list[int]]]:
+    """Greedy decoding of `examples` as the evaluation scores it: (read_answer tuples, responses)."""
+    prompts = model.encode_prompts(examples["history"].tolist(), examples["candidates"].tolist())
+    out = model.decode(prompts, decoder, tau or 1.0, profile.eval.batch_size)
+    n = profile.data.n_candidates
+    return [model.read_answer(r, n) for r in out.responses], out.responses
+
+
 def decode_rows(
     model: GenerativeReranker, examples: pd.DataFrame, decoder: str, tau: float | None, profile: Profile
 ) -> dict:
     """One report row: metrics over `examples` (+ validity, invalid reasons, mean response tokens)."""
-    prompts = model.encode_prompts(examples["history"].tolist(), examples["candidates"].tolist())
-    out = model.decode(prompts, decoder, tau or 1.0, profile.eval.batch_size)
-    n = profile.data.n_candidates
-    answers = [model.read_answer(r, n) for r in out.responses]
+    answers, responses = decode_answers(model, examples, decoder, tau, profile)
     row = evaluate(
         examples,
         [a[0] for a in answers],
@@ -52,7 +59,7 @@ def decode_rows(
         if not a[1]:
             reasons[a[2]] = reasons.get(a[2], 0) + 1
     row["invalid_reasons"] = reasons
-    row["mean_response_tokens"] = sum(len(r) for r in out.responses) / max(len(out.responses), 1)
+    row["mean_response_tokens"] = sum(len(r) for r in responses) / max(len(responses), 1)
     return row
 
 

@@ -6,7 +6,9 @@ bootstrap samples as the profile), with B in the place of the floor:
 
     python -m pipelines.compare_models --run runs/latest --a ar --b ar_sft --split test
 
-prints (and with --out writes) JSON: the split, n lists, and per metric A, B, A - B and its 95% CI. Diffusion
+prints (and with --out writes) JSON: the split, n lists, per metric A, B, A - B and its 95% CI, and `top1`: where
+the two top-1 choices differ, split by whether the held-out item was the upstream (retriever) order's first, and
+how often each model puts that first item on top (RL on GR2's reward can learn that position bias). Diffusion
 models decode at --tau (default the profile's eval_tau); AR models with the AR decoder. Same decoding as the
 evaluation step, so A and B match their rows of report.json on the test split.
 """
@@ -36,6 +38,23 @@ def rankings(
     return apply_fallback([a[0] for a in answers], [a[1] for a in answers], profile.data.n_candidates)
 
 
+def top1_breakdown(
+    rank_a: list[list[int]], rank_b: list[list[int]], labels: list[int], a: str, b: str
+) -> dict:
+    """Top-1 wins of A over B (A right, B wrong) and of B over A, for lists whose label is the upstream first
+    candidate (index 0) and for the rest; plus the share of lists where each model's top-1 is that candidate."""
+    out: dict = {"label_first": {"lists": 0, f"{a}_wins": 0, f"{b}_wins": 0}}
+    out["label_not_first"] = dict.fromkeys(out["label_first"], 0)
+    for ra, rb, y in zip(rank_a, rank_b, labels, strict=True):
+        cell = out["label_first" if y == 0 else "label_not_first"]
+        cell["lists"] += 1
+        cell[f"{a}_wins"] += int(ra[0] == y and rb[0] != y)
+        cell[f"{b}_wins"] += int(rb[0] == y and ra[0] != y)
+    n = max(1, len(labels))
+    out["top1_is_first"] = {a: sum(r[0] == 0 for r in rank_a) / n, b: sum(r[0] == 0 for r in rank_b) / n}
+    return out
+
+
 def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> dict:
     report = json.loads((run / "report.json").read_text())
     profile = load_profile(report["profile"])
@@ -59,7 +78,17 @@ def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> 
         }
         for m in row_a["delta_vs_floor"]
     }
-    return {"run": str(run), "a": a, "b": b, "split": split, "tau": tau, "n": len(df), "metrics": metrics}
+    top1 = top1_breakdown(ranks[a], ranks[b], [int(y) for y in df["label"]], a, b)
+    return {
+        "run": str(run),
+        "a": a,
+        "b": b,
+        "split": split,
+        "tau": tau,
+        "n": len(df),
+        "metrics": metrics,
+        "top1": top1,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -108,6 +108,10 @@ def test_local_run_writes_report(tmp_path):
         rows[("ar", None)]["recall@1"]
     )
     assert r1["delta"] == pytest.approx(r1["rl"] - r1["ar"]) and r1["ci95"][0] <= r1["delta"] <= r1["ci95"][1]
+    t = cmp["top1"]
+    net = sum(t[k]["rl_wins"] - t[k]["ar_wins"] for k in ("label_first", "label_not_first"))
+    assert net == pytest.approx(cmp["n"] * r1["delta"])
+    assert t["label_first"]["lists"] + t["label_not_first"]["lists"] == cmp["n"]
     assert json.loads((tmp_path / "c.json").read_text()) == cmp
 
 

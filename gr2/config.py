@@ -187,6 +187,12 @@ class RLConfig:
     temperature: float = 1.0  # rollout sampling temperature (group diversity)
     tau: float = 0.9  # commit threshold of the diffusion rollout decoder
     max_prompts: int = 2000  # training lists the prompts are drawn from (0 = all)
+    # Show each RL prompt's candidates in a seeded random order (each keeps its own evidence, retriever_rank
+    # included; the reward still measures promotion against the retriever order). In retriever order, letter A
+    # is the retriever's first candidate, and AR RL learned to put A on top far more often than SFT did (40% ->
+    # 60% of validation lists), a prior that helps or hurts with the split's share of lists whose held-out item
+    # is first (the GR2 TR's "position-bias hacking"). Shuffled, the letter carries no position.
+    shuffle_candidates: bool = False
     lr: float = 1e-5  # constant (PAPER: 5e-7 for 600 steps on an 8B model; scaled for the tiny models)
     steps: int = 30
     grad_clip: float = 1.0

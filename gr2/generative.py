@@ -95,10 +95,17 @@ class GenerativeReranker:
 
     # ------------------------------------------------------------------ the pieces
     def encode_prompts(
-        self, histories: Sequence[Sequence[str]], candidates: Sequence[Sequence[str]]
+        self,
+        histories: Sequence[Sequence[str]],
+        candidates: Sequence[Sequence[str]],
+        orders: Sequence[Sequence[int]] | None = None,
     ) -> list[list[int]]:
         """Prompt ids (<bos> + prompt) per list. History items without a semantic ID are skipped (an item the
-        model has never seen carries no signal); candidates must all be known (`known_item`)."""
+        model has never seen carries no signal); candidates must all be known (`known_item`).
+
+        `candidates` are in retriever order. orders (optional): per list, the candidate indices in the order the
+        prompt shows them (RL's shuffled prompts). The evidence is computed in retriever order either way, so
+        each candidate keeps its own buckets, retriever_rank included; only its letter changes."""
         hist = [[h for h in hs if h in self.sids.codes] for hs in histories]
         for cs in candidates:
             unknown = [c for c in cs if c not in self.sids.codes]
@@ -108,9 +115,15 @@ class GenerativeReranker:
         buckets = self.evidence.buckets(x)
         tok = self.tokenizer
         prompts = []
-        for hs, cs, b in zip(hist, candidates, buckets, strict=True):
+        for i, (hs, cs, b) in enumerate(zip(hist, candidates, buckets, strict=True)):
+            order = list(range(len(cs))) if orders is None else list(orders[i])
+            if sorted(order) != list(range(len(cs))):
+                raise ValueError(f"orders[{i}] = {order} is not a permutation of 0..{len(cs) - 1}")
             text = render_prompt(
-                [self.sids.codes[h] for h in hs], [self.sids.codes[c] for c in cs], b, FEATURE_NAMES
+                [self.sids.codes[h] for h in hs],
+                [self.sids.codes[cs[j]] for j in order],
+                b[order],
+                FEATURE_NAMES,
             )
             prompts.append([tok.bos_token_id, *tok(text, add_special_tokens=False)["input_ids"]])
         return prompts

@@ -2,8 +2,10 @@
 
     R = R_rank + alpha * R_fmt,   R_rank = (rank_before - rank_after) / N  in [-1, 1]
 
-rank_before = the held-out item's position in the retriever order (its `label`), rank_after = its position in
-the model's ranking (both 0-based; the difference is the same as with 1-based ranks). The format bonus
+rank_before = the held-out item's position in the retriever order, rank_after = its position in the model's
+ranking (both 0-based; the difference is the same as with 1-based ranks). Usually the prompt lists the
+candidates in retriever order, so rank_before is the item's index in the prompt (its `label`); RL prompts that
+list them shuffled (`RLConfig.shuffle_candidates`) pass the retriever rank separately. The format bonus
 (R_fmt = 1 for a valid permutation) is paid only when R_rank > 0 or the item was already first: with an
 unconditional bonus, re-emitting the input order earns R_rank = 0 + alpha on every list, and the policy learns
 to copy the retriever (reward hacking, GR2). Invalid or overflowing output (no eos) earns -1.
@@ -19,19 +21,29 @@ from gr2.prompt import parse_response
 INVALID_REWARD = -1.0
 
 
-def rank_reward(ranking: Sequence[int] | None, label: int, n: int, alpha: float = 0.2) -> float:
-    """R for one list: `ranking` = candidate indices best first (None = invalid), `label` = index of the target."""
+def rank_reward(
+    ranking: Sequence[int] | None, label: int, n: int, alpha: float = 0.2, rank_before: int | None = None
+) -> float:
+    """R for one list: `ranking` = candidate indices best first (None = invalid), `label` = the target's index
+    in the prompt, `rank_before` = its retriever rank (default: `label`, the prompt in retriever order)."""
     if ranking is None:
         return INVALID_REWARD
-    if not 0 <= label < n:
-        raise ValueError(f"label {label} outside 0..{n - 1}")
-    r_rank = (label - list(ranking).index(label)) / n
-    bonus = alpha if (r_rank > 0 or label == 0) else 0.0
+    before = label if rank_before is None else rank_before
+    for name, v in (("label", label), ("rank_before", before)):
+        if not 0 <= v < n:
+            raise ValueError(f"{name} {v} outside 0..{n - 1}")
+    r_rank = (before - list(ranking).index(label)) / n
+    bonus = alpha if (r_rank > 0 or before == 0) else 0.0
     return r_rank + bonus
 
 
 def response_reward(
-    response: Sequence[int], label: int, n: int, tokenizer: Any, alpha: float = 0.2
+    response: Sequence[int],
+    label: int,
+    n: int,
+    tokenizer: Any,
+    alpha: float = 0.2,
+    rank_before: int | None = None,
 ) -> tuple[float, bool]:
     """(R, valid) for generated token ids. A response without eos (ran out of tokens) counts as invalid."""
     ids = list(response)
@@ -39,4 +51,4 @@ def response_reward(
     if eos not in ids:
         return INVALID_REWARD, False
     ranking = parse_response(ids[: ids.index(eos)], n, tokenizer).ranking
-    return rank_reward(ranking, label, n, alpha), ranking is not None
+    return rank_reward(ranking, label, n, alpha, rank_before), ranking is not None

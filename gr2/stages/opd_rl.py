@@ -18,6 +18,7 @@ import json
 import logging
 import random
 import time
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -39,9 +40,12 @@ ROLLOUT_LOG = "rollout_log.jsonl"
 
 # ---------------------------------------------------------------------------------------------- prompts
 def train_prompts(
-    reranker: GenerativeReranker, examples: pd.DataFrame, max_prompts: int, seed: int
-) -> tuple[list[list[int]], list[int]]:
-    """Prompt ids and labels of (at most `max_prompts`, seeded sample of) the training lists the model can read."""
+    reranker: GenerativeReranker, examples: pd.DataFrame, max_prompts: int, seed: int, shuffle: bool = False
+) -> tuple[list[list[int]], list[int], list[int]]:
+    """(prompt ids, labels, pre_ranks) of (at most `max_prompts`, seeded sample of) the training lists the model
+    can read. labels = the held-out item's index in the prompt, pre_ranks = its retriever rank (the reward's
+    rank_before). They differ only with `shuffle`: each prompt then lists its candidates in a seeded random
+    order, every candidate keeping its own evidence (retriever_rank included) - see RLConfig.shuffle_candidates."""
     df = examples[examples["split"] == "train"]
     n = reranker.n_candidates
     ok = df["candidates"].map(lambda cs: len(cs) == n and all(reranker.known_item(c) for c in cs))
@@ -50,8 +54,15 @@ def train_prompts(
         df = df.sample(n=max_prompts, random_state=seed).sort_index()
     if df.empty:
         raise ValueError("no usable training lists (split == 'train' with known candidates)")
-    prompts = reranker.encode_prompts(df["history"].tolist(), df["candidates"].tolist())
-    return prompts, df["label"].astype(int).tolist()
+    pre_ranks = df["label"].astype(int).tolist()
+    orders = [list(range(n)) for _ in pre_ranks]
+    if shuffle:
+        rng = random.Random(seed * 1_000_003 + 99)
+        for order in orders:
+            rng.shuffle(order)
+    prompts = reranker.encode_prompts(df["history"].tolist(), df["candidates"].tolist(), orders)
+    labels = [order.index(y) for order, y in zip(orders, pre_ranks, strict=True)]
+    return prompts, labels, pre_ranks
 
 
 def prompts_for_step(n_prompts: int, per_step: int, step: int, seed: int) -> list[int]:
@@ -72,14 +83,16 @@ class RLBatches:
     """batches_fn for RL: G sampled rollouts per prompt, GR2 rewards, group advantages, zero-variance groups
     dropped (if every group is dropped, the batch keeps all rows with advantage 0: a zero-gradient step)."""
 
-    def __init__(self, model, prompts, labels, tokenizer, n, rc, block_size, max_new_tokens, seed):
+    def __init__(self, model, prompts, labels, pre_ranks, tokenizer, n, rc, block_size, max_new_tokens, seed):
         self.model, self.prompts, self.labels, self.tok, self.n = model, prompts, labels, tokenizer, n
+        self.pre_ranks = pre_ranks
         self.rc, self.block_size, self.max_new_tokens, self.seed = rc, block_size, max_new_tokens, seed
 
     def __call__(self, step: int) -> RolloutBatch:
         rc, G = self.rc, self.rc.group_size
         idx = prompts_for_step(len(self.prompts), rc.prompts_per_step, step, self.seed)
-        rep = [self.prompts[i] for i in idx for _ in range(G)]
+        rows_of = [i for i in idx for _ in range(G)]  # prompt index of each rollout
+        rep = [self.prompts[i] for i in rows_of]
         t0 = time.perf_counter()
         ro = sample(
             self.model,
@@ -94,8 +107,8 @@ class RLBatches:
         )
         sample_s = time.perf_counter() - t0
         scored = [
-            response_reward(row, self.labels[idx[j // G]], self.n, self.tok, rc.alpha)
-            for j, row in enumerate(ro.tokens.tolist())
+            response_reward(row, self.labels[i], self.n, self.tok, rc.alpha, self.pre_ranks[i])
+            for i, row in zip(rows_of, ro.tokens.tolist(), strict=True)
         ]
         rewards = torch.tensor([r for r, _ in scored]).view(len(idx), G)
         adv, keep = group_advantages(rewards)
@@ -256,7 +269,7 @@ def train_opd(
         raise ValueError("the SFT data and the student bundle have different vocabularies")
     teacher.requires_grad_(False)
     rr = GenerativeReranker(student, tok, sids, ev, cfg)
-    prompts, _ = train_prompts(rr, examples, oc.max_prompts, profile.seed)
+    prompts, _, _ = train_prompts(rr, examples, oc.max_prompts, profile.seed)
     batches = OPDBatches(student, teacher, prompts, tok, oc, bs, rr.max_new_tokens, profile.seed)
     fn = partial(opd_loss, block_size=bs, mask_id=tok.mask_token_id, direction=direction)
     res = _run(student, batches, lambda m, b: fn(m, b), _train_cfg(oc, profile.seed), out / "train")
@@ -285,8 +298,12 @@ def train_rl(
     if len(data.tokenizer) != len(tok):
         raise ValueError("the SFT data and the bundle have different vocabularies")
     rr = GenerativeReranker(model, tok, sids, ev, cfg)
-    prompts, labels = train_prompts(rr, examples, rc.max_prompts, profile.seed)
-    batches = RLBatches(model, prompts, labels, tok, rr.n_candidates, rc, bs, rr.max_new_tokens, profile.seed)
+    prompts, labels, pre_ranks = train_prompts(
+        rr, examples, rc.max_prompts, profile.seed, rc.shuffle_candidates
+    )
+    batches = RLBatches(
+        model, prompts, labels, pre_ranks, tok, rr.n_candidates, rc, bs, rr.max_new_tokens, profile.seed
+    )
     fn = partial(
         grpo_loss,
         block_size=bs,
@@ -301,6 +318,7 @@ def train_rl(
         "name": "rl" if bs > 0 else "ar",
         "stage": "rl" if bs > 0 else "sft+rl",
         "parent": str(bundle),
+        "rl_config": asdict(rc),
         "train": _summary(res, out / "train"),
     }
     log.info("train_rl (block_size %d): %s", bs, meta["train"])

@@ -14,8 +14,10 @@ from gr2.data.dataset import data_root
 from gr2.data.split import build_targets, train_sequences
 from gr2.generative import GenerativeReranker
 from gr2.inference import RankRequest, load_reranker
+from gr2.prompt import label_token
 from gr2.retriever import CoocRetriever
 from gr2.stages.evaluate import evaluate_generative
+from gr2.stages.opd_rl import train_prompts
 from gr2.stages.prepare import SFTData, prepare_sft
 from gr2.stages.train_stages import TEACHER_TARGETS, convert, teacher_records, train_ar_teacher, train_cft
 
@@ -104,6 +106,34 @@ def test_sft_loss_falls_and_bundle_serves(pipeline):
             assert r.ranking == req.candidates  # invalid output falls back to the upstream order
     with pytest.raises(ValueError, match="AR model"):
         model.rank(reqs, decoder="diffusion")
+
+
+def _candidate_segments(model, ids):
+    """Each candidate's tokens after its letter (SID + evidence buckets), in prompt order."""
+    letters = {model.tokenizer.convert_tokens_to_ids(label_token(i)): i for i in range(model.n_candidates)}
+    starts = [k for k, t in enumerate(ids) if t in letters]
+    assert [letters[ids[k]] for k in starts] == list(range(model.n_candidates))
+    return [ids[a + 1 : b] for a, b in zip(starts, [*starts[1:], len(ids)], strict=True)]
+
+
+def test_shuffled_rl_prompts_move_letters_not_evidence(pipeline):
+    model = load_reranker(pipeline["ar"])
+    ex = pipeline["examples"]
+    plain, labels, pre = train_prompts(model, ex, 40, seed=3)
+    assert labels == pre  # retriever order: the letter index is the retriever rank
+    shuffled, s_labels, s_pre = train_prompts(model, ex, 40, seed=3, shuffle=True)
+    assert s_pre == pre and s_labels != labels
+    assert shuffled == train_prompts(model, ex, 40, seed=3, shuffle=True)[0]  # seeded
+    moved = 0
+    for a, b, y, y_shown in zip(plain, shuffled, pre, s_labels, strict=True):
+        seg_a, seg_b = _candidate_segments(model, a), _candidate_segments(model, b)
+        # every candidate keeps its SID and its evidence (retriever_rank bucket included): only letters move
+        assert sorted(seg_a) == sorted(seg_b)
+        assert seg_b[y_shown] == seg_a[y]  # the label points at the held-out item in the shuffled prompt
+        moved += seg_a != seg_b
+    assert moved >= 30
+    with pytest.raises(ValueError, match="not a permutation"):
+        model.encode_prompts(ex["history"].head(1).tolist(), ex["candidates"].head(1).tolist(), [[0, 0]])
 
 
 def test_naive_conversion_copies_weights(pipeline):

@@ -35,6 +35,17 @@ def test_demotion_is_negative_without_bonus():
     assert rank_reward([0, 1, 2, 3, 4, 5, 6, 7, 8, 9][::-1], 2, N) == pytest.approx((2 - 7) / 10)
 
 
+def test_shuffled_prompt_measures_promotion_against_the_retriever_rank():
+    # the held-out item (retriever rank 2) is shown as candidate 5; ranking it first promotes it by 2
+    assert rank_reward([5, 0, 1, 2, 3, 4, 6, 7, 8, 9], 5, N, rank_before=2) == pytest.approx(0.2 + 0.2)
+    # copying the shuffled order leaves it 5th: a demotion from 2, no bonus
+    assert rank_reward(IDENTITY, 5, N, rank_before=2) == pytest.approx(-0.3)
+    # the retriever's first, shown as candidate 3 and left there: demoted, but it was first, so the bonus stays
+    assert rank_reward(IDENTITY, 3, N, rank_before=0) == pytest.approx(-0.3 + 0.2)
+    with pytest.raises(ValueError, match="rank_before"):
+        rank_reward(IDENTITY, 3, N, rank_before=N)
+
+
 def test_invalid_is_minus_one():
     assert rank_reward(None, 3, N) == INVALID_REWARD == -1.0
     with pytest.raises(ValueError):

@@ -191,7 +191,8 @@ class RLConfig:
     # included; the reward still measures promotion against the retriever order). In retriever order, letter A
     # is the retriever's first candidate, and AR RL learned to put A on top far more often than SFT did (40% ->
     # 60% of validation lists), a prior that helps or hurts with the split's share of lists whose held-out item
-    # is first (the GR2 TR's "position-bias hacking"). Shuffled, the letter carries no position.
+    # is first (the GR2 TR's "position-bias hacking"). Shuffled, the letter carries no position. Off in the
+    # bench profile: it removed the drift but did not make `ar` beat `ar_sft` on test (README).
     shuffle_candidates: bool = False
     lr: float = 1e-5  # constant (PAPER: 5e-7 for 600 steps on an 8B model; scaled for the tiny models)
     steps: int = 30

@@ -116,14 +116,13 @@ class GenerativeReranker:
         tok = self.tokenizer
         prompts = []
         for i, (hs, cs, b) in enumerate(zip(hist, candidates, buckets, strict=True)):
-            order = list(range(len(cs))) if orders is None else list(orders[i])
-            if sorted(order) != list(range(len(cs))):
-                raise ValueError(f"orders[{i}] = {order} is not a permutation of 0..{len(cs) - 1}")
+            if orders is not None:  # each candidate moves with its own buckets
+                order = list(orders[i])
+                if sorted(order) != list(range(len(cs))):
+                    raise ValueError(f"orders[{i}] = {order} is not a permutation of 0..{len(cs) - 1}")
+                cs, b = [cs[j] for j in order], b[order]
             text = render_prompt(
-                [self.sids.codes[h] for h in hs],
-                [self.sids.codes[cs[j]] for j in order],
-                b[order],
-                FEATURE_NAMES,
+                [self.sids.codes[h] for h in hs], [self.sids.codes[c] for c in cs], b, FEATURE_NAMES
             )
             prompts.append([tok.bos_token_id, *tok(text, add_special_tokens=False)["input_ids"]])
         return prompts

@@ -54,15 +54,16 @@ def train_prompts(
         df = df.sample(n=max_prompts, random_state=seed).sort_index()
     if df.empty:
         raise ValueError("no usable training lists (split == 'train' with known candidates)")
+    histories, candidates = df["history"].tolist(), df["candidates"].tolist()
     pre_ranks = df["label"].astype(int).tolist()
+    if not shuffle:
+        return reranker.encode_prompts(histories, candidates), pre_ranks, pre_ranks
+    rng = random.Random(seed * 1_000_003 + 99)
     orders = [list(range(n)) for _ in pre_ranks]
-    if shuffle:
-        rng = random.Random(seed * 1_000_003 + 99)
-        for order in orders:
-            rng.shuffle(order)
-    prompts = reranker.encode_prompts(df["history"].tolist(), df["candidates"].tolist(), orders)
+    for order in orders:
+        rng.shuffle(order)
     labels = [order.index(y) for order, y in zip(orders, pre_ranks, strict=True)]
-    return prompts, labels, pre_ranks
+    return reranker.encode_prompts(histories, candidates, orders), labels, pre_ranks
 
 
 def prompts_for_step(n_prompts: int, per_step: int, step: int, seed: int) -> list[int]:

@@ -16,10 +16,12 @@ def test_vocab_layout():
     assert vocab[:5] == SPECIAL_TOKENS
     assert len(vocab) == len(set(vocab))
     assert {"<a_0>", "<b_7>", "<c_3>", "<d_2>"} <= set(vocab) and "<d_3>" not in vocab
-    assert {"[A]", "[J]", '"A"', '"J"', "{", "}", '"ranking"', ",", "step", "top"} <= set(vocab)
-    # One bucket token per (feature, bucket), distinct across features.
+    assert {"[A]", "[J]", '"A"', '"J"', "{", "}", '"ranking"', ",", "history", "candidates"} <= set(vocab)
+    # One bucket token per (feature, bucket), distinct across features, and the trace's 8 score levels.
     sid = re.compile(r"^<[abcd]_\d+>$")
-    buckets = [t for t in vocab if t.startswith("<") and not sid.match(t) and t not in SPECIAL_TOKENS]
+    score = [t for t in vocab if t.startswith("<score_")]
+    assert score == [f"<score_{k}>" for k in range(8)]
+    buckets = [t for t in vocab if t.startswith("<") and not sid.match(t) and t not in SPECIAL_TOKENS + score]
     assert len(buckets) == len(FEATURE_NAMES) * 4
 
 

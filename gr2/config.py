@@ -22,6 +22,9 @@ class DataConfig:
     n_candidates: int = 10  # N: candidate list length (the paper's N = 10)
     max_train_examples: int = 0  # 0 = all retrieval-hit training lists
     max_eval_examples: int = 0  # 0 = all (validation/test)
+    # k: each user's last k positions are test targets and the k before them validation targets (1 = the
+    # papers' leave-one-out; more gives a small catalogue enough test lists: gr2/data/split.py).
+    eval_positions: int = 1
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def prepare_sft(
     when None. Its bucket edges are fitted on the training lists' features here either way."""
     t0 = time.perf_counter()
     seed = profile.seed
-    seqs = train_sequences(dataset)
+    seqs = train_sequences(dataset, profile.data.eval_positions)
     if evidence is None:
         evidence = Evidence.fit(seqs, dataset.items, profile.evidence)
     train = _subsample(examples[examples["split"] == "train"], profile.data.max_train_examples, seed)

@@ -202,6 +202,10 @@ class RLConfig:
     grad_clip: float = 1.0
     checkpoint_every: int = 10
     log_every: int = 5
+    # Certainty forcing through RL (block-diffusion student only; gr2/rl.py rollout_certainty): + this weight *
+    # entropy at masked rollout positions the student already predicts right, so RL keeps the tokens per forward
+    # that CFT's certainty forcing bought (diffusion.certainty_weight). 0 = off.
+    certainty_weight: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import pandas as pd
 import torch
 
 from gr2.config import Profile, TrainConfig
-from gr2.generative import GenerativeReranker, load_bundle_parts, save_bundle
+from gr2.generative import GenerativeReranker, load_bundle_parts, load_verifier, save_bundle
 from gr2.opd import kl_per_token, make_opd_batch, opd_loss, sequence_mean
 from gr2.reward import response_reward
 from gr2.rl import RolloutBatch, group_advantages, grpo_loss, policy_logits, rollout_batch, sample
@@ -284,7 +284,8 @@ def train_opd(
         "train": _summary(res, out / "train"),
     }
     log.info("train_opd (%s): %s", direction, meta["train"])
-    return save_bundle(out / "bundle", student, tok, sids, ev, meta)
+    # The teacher travels with the student: the "spec" decoder's verifier (serving needs both).
+    return save_bundle(out / "bundle", student, tok, sids, ev, meta, verifier=teacher)
 
 
 def train_rl(
@@ -312,6 +313,8 @@ def train_rl(
         temperature=rc.temperature,
         clip_eps=rc.clip_eps,
         clip_eps_high=rc.clip_eps_high,
+        certainty_weight=rc.certainty_weight,
+        eos_id=tok.eos_token_id,
     )
     res = _run(model, batches, lambda m, b: fn(m, b), _train_cfg(rc, profile.seed), out / "train")
     meta = {
@@ -323,7 +326,7 @@ def train_rl(
         "train": _summary(res, out / "train"),
     }
     log.info("train_rl (block_size %d): %s", bs, meta["train"])
-    return save_bundle(out / "bundle", model, tok, sids, ev, meta)
+    return save_bundle(out / "bundle", model, tok, sids, ev, meta, verifier=load_verifier(bundle))
 
 
 # ---------------------------------------------------------------------------------------------- measures

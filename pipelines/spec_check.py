@@ -68,7 +68,8 @@ def check(run: Path, draft: str, split: str, tau: float | None = None, show: int
         )
     tokens = sum(len(r) for r in a.responses)
     return {
-        "run": str(run),
+        "command": "python -m pipelines.spec_check " + " ".join(sys.argv[1:]),
+        "run": {k: report.get(k) for k in ("run_id", "dataset", "profile", "git_sha")},
         "draft": draft,
         "split": split,
         "tau": tau,

@@ -36,13 +36,17 @@ def logit_margin(model: torch.nn.Module, prompt: list[int], prefix: list[int]) -
     return float(top[0] - top[1])
 
 
-def check(run: Path, draft: str, split: str, tau: float | None = None, show: int = 10) -> dict:
+def check(
+    run: Path, draft: str, split: str, tau: float | None = None, limit: int = 0, show: int = 10
+) -> dict:
     report = json.loads((run / "report.json").read_text())
     profile = load_profile(report["profile"])
     torch.set_num_threads(profile.eval.threads)
     tau = profile.diffusion.eval_tau if tau is None else tau
     examples = pd.read_parquet(next(run.glob("kfp/*/candidates/examples")))
     df = examples[examples["split"] == split].reset_index(drop=True)
+    if limit > 0:
+        df = df.head(limit)
     if df.empty:
         raise SystemExit(f"no examples in split {split!r}")
     bundles = find_bundles(run, ["ar", draft])
@@ -92,9 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--tau", type=float, help="the draft's commit threshold (default: the profile's eval_tau)"
     )
+    ap.add_argument("--limit", type=int, default=0, help="only the split's first N lists (0: all)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
-    res = check(Path(args.run).resolve(), args.draft, args.split, args.tau)
+    res = check(Path(args.run).resolve(), args.draft, args.split, args.tau, args.limit)
     text = json.dumps(res, indent=2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,12 @@
-"""KFP component: roll the gated model out (serving/rollout.py): upload to the artifact store, render the
-InferenceService overlay with the model's storage URI and a canary percentage, then either stop there
-(dry_run: manifests + plan.json only) or apply, wait, smoke-test the `latest-` tag URL, and promote
-(write the production pointer) or roll back. Place it under the gate's `dsl.If`.
+"""KFP component: start the gated model's canary (serving/rollout.py): upload to the artifact store, render the
+overlay with the real kustomize (kubectl, in the image) with the model's storage URI and a canary percentage,
+then either stop there (dry_run: manifests + plan.json only) or server-side apply every object, wait,
+smoke-test the `latest-` tag URL, and leave the canary running (output "canary") or roll it back. Place it
+under the gate's `dsl.If`; the canary-analysis step, under `outcome == "canary"`, promotes or rolls back.
+Its single output is the outcome (kfp.local cannot resolve a condition on a NamedTuple field, see gate.py).
 """
 
 # no `from __future__ import annotations`: KFP reads the real annotation objects
-
-from typing import NamedTuple
 
 from kfp import dsl
 from kfp.dsl import Artifact, Input, Model, Output
@@ -29,10 +29,11 @@ def deploy(
     store_prefix: str = "",
     store_endpoint: str = "",
     store_local_root: str = "",
-) -> NamedTuple("DeployOutputs", outcome=str, storage_uri=str):
-    """`decision` is the gate's output (its report row becomes the production record when promoted)."""
+    serve_image: str = "",
+) -> str:
+    """`decision` is the gate's output (its report row becomes the production record when promoted).
+    `serve_image` ("" = the overlay's pinned image) must be a git-sha tag or an @sha256 digest."""
     import json
-    from collections import namedtuple
     from pathlib import Path
 
     import components
@@ -75,6 +76,7 @@ def deploy(
         smoke,
         canary_percent,
         dry_run,
+        serve_image=serve_image or None,
     )
-    plan.metadata["outcome"] = p.outcome
-    return namedtuple("DeployOutputs", ["outcome", "storage_uri"])(p.outcome, p.storage_uri)
+    plan.metadata.update(outcome=p.outcome, storage_uri=p.storage_uri)
+    return p.outcome

@@ -9,7 +9,7 @@ Its single output is the outcome (kfp.local cannot resolve a condition on a Name
 # no `from __future__ import annotations`: KFP reads the real annotation objects
 
 from kfp import dsl
-from kfp.dsl import Artifact, Input, Model, Output
+from kfp.dsl import Artifact, Dataset, Input, Model, Output
 
 from components._image import COMPONENT_KWARGS
 
@@ -30,9 +30,11 @@ def deploy(
     store_endpoint: str = "",
     store_local_root: str = "",
     serve_image: str = "",
+    examples: Input[Dataset] = None,
 ) -> str:
     """`decision` is the gate's output (its report row becomes the production record when promoted).
-    `serve_image` ("" = the overlay's pinned image) must be a git-sha tag or an @sha256 digest."""
+    `serve_image` ("" = the overlay's pinned image) must be a git-sha tag or an @sha256 digest. The smoke
+    test asks `smoke_instance_json`, or else the newest test list of `examples` (the run's examples table)."""
     import json
     from pathlib import Path
 
@@ -62,7 +64,13 @@ def deploy(
         overlay_path = Path(components.__file__).resolve().parents[1] / overlay  # relative to the repo root
     smoke = json.loads(smoke_instance_json) if smoke_instance_json else {}
     if not smoke and not dry_run:  # the canary must be asked something it can answer
-        raise ValueError("smoke_instance_json is required unless dry_run: one {user_id, candidates} instance")
+        if examples is None:
+            raise ValueError(
+                "deploy needs smoke_instance_json or examples unless dry_run: one request to ask"
+            )
+        from serving.canary import probe_set
+
+        smoke = probe_set(examples.path, 1)[0]
     from gr2.generative import bundle_dir
 
     p = rollout(

@@ -304,3 +304,22 @@ def test_kustomize_merge_keys_are_kubernetes_own():
         assert set(pod) <= set(model.attribute_map.values()), comp
     (gvk,) = schema["io.kserve.serving.v1beta1.InferenceService"]["x-kubernetes-group-version-kind"]
     assert gvk == {"group": "serving.kserve.io", "kind": "InferenceService", "version": "v1beta1"}
+
+
+def test_istio_policy_example_is_documented_and_not_rendered(rendered):
+    path = ROOT.parent / "docs" / "istio-authorizationpolicy.yaml"
+    policy = yaml.safe_load(path.read_text())
+    assert (policy["apiVersion"], policy["kind"]) == ("security.istio.io/v1", "AuthorizationPolicy")
+    s = isvc(rendered["prod"])
+    assert policy["metadata"]["namespace"] == s["metadata"]["namespace"]
+    assert policy["spec"]["selector"]["matchLabels"] == {
+        "serving.kserve.io/inferenceservice": s["metadata"]["name"]
+    }
+    paths = {p for r in policy["spec"]["rules"] for t in r.get("to", []) for p in t["operation"]["paths"]}
+    assert paths == {
+        f"/v1/models/{s['metadata']['name']}:predict",
+        f"/v2/models/{s['metadata']['name']}/infer",
+        "/metrics",
+    }
+    assert "AuthorizationPolicy" not in {d["kind"] for o in OVERLAYS for d in rendered[o]}
+    assert "docs/istio-authorizationpolicy.yaml" in (ROOT.parent / "README.md").read_text()

@@ -115,7 +115,8 @@ def revision_metrics(prom: Prometheus, selector: str, window_s: int, at: float) 
         return prom.query(f"sum(increase({metric}{{{selector}{match}}}[{window_s}s]))", at) or 0.0
 
     requests, errors = increase(REQUESTS), increase(REQUESTS, ',status=~"5.."')
-    rankings, valid = increase(RANKINGS), increase(RANKINGS, ',outcome="valid"')
+    rankings = increase(RANKINGS)
+    valid, fallback = increase(RANKINGS, ',outcome="valid"'), increase(RANKINGS, ',outcome="fallback"')
     tokens, forwards = increase(f"{TOKENS_PER_FORWARD}_sum"), increase(f"{TOKENS_PER_FORWARD}_count")
     p99 = prom.query(
         f"histogram_quantile(0.99, sum by (le) (increase({LATENCY_BUCKET}{{{selector}}}[{window_s}s])))", at
@@ -125,7 +126,7 @@ def revision_metrics(prom: Prometheus, selector: str, window_s: int, at: float) 
         "error_rate": errors / requests if requests else None,
         "p99_latency_s": p99,
         "validity": valid / rankings if rankings else None,
-        "fallback_rate": (rankings - valid) / rankings if rankings else None,
+        "fallback_rate": fallback / rankings if rankings else None,
         "tokens_per_forward": tokens / forwards if forwards else None,  # reported, not judged
     }
 
@@ -152,7 +153,11 @@ def probe(url: str, model_name: str, instances: list[dict[str, Any]]) -> list[li
         if r.status_code != 200:
             out.append(f"HTTP {r.status_code}")
             continue
-        answer = r.json()["predictions"][0]
+        try:
+            answer = r.json()["predictions"][0]
+        except (ValueError, KeyError, IndexError, TypeError):
+            out.append(f"unreadable answer: {r.text[:200]}")
+            continue
         out.append(ranking_problem(inst, answer) or answer["ranking"])
     return out
 
@@ -188,7 +193,7 @@ def judge(
     """Every threshold the canary breaks at this step (empty = the step passes)."""
     if (canary["requests"] or 0) < cfg.min_requests:
         return [
-            f"the canary answered {canary['requests'] or 0:.0f} requests (< min_requests {cfg.min_requests})"
+            f"the canary received {canary['requests'] or 0:.0f} requests (< min_requests {cfg.min_requests})"
         ]
     # no stable revision or no stable data: a perfect baseline
     base = {"error_rate": 0.0, "validity": 1.0, "fallback_rate": 0.0, "p99_latency_s": None}

@@ -277,7 +277,7 @@ OK = {"requests": 100.0, "error_rate": 0.0, "p99_latency_s": 0.05, "validity": 1
 def test_judge_rules():
     assert judge(OK, OK, 1.0, CFG) == []
     assert judge(None, OK, None, CFG) == []  # the first rollout: judged against a perfect baseline
-    assert judge(OK, {**OK, "requests": 2.0}, 1.0, CFG)[0].startswith("the canary answered 2 requests")
+    assert judge(OK, {**OK, "requests": 2.0}, 1.0, CFG)[0].startswith("the canary received 2 requests")
     assert judge(OK, OK, 0.2, CFG)[0].startswith("ranking agreement 0.200")
     bad = {
         "requests": 50.0,

@@ -98,7 +98,7 @@ def test_metrics_endpoint_shows_them_after_traffic(predictor, ml_slice):
     from serving.serve_local import wait_ready
 
     url = predictor["url"]
-    wait_ready(f"{url}/v1/models/{MODEL}", proc=predictor["proc"])
+    wait_ready(f"{url}/v1/models/{MODEL}", timeout_s=300, proc=predictor["proc"])  # a loaded CI machine
     items = list(ml_slice["items"]["item_id"])[:5]
     before = scrape(url)
     with httpx.Client(timeout=30) as http:

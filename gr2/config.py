@@ -213,6 +213,23 @@ class RLConfig:
 
 
 @dataclass(frozen=True)
+class CanaryConfig:
+    """Automated canary analysis (serving/canary.py): traffic steps and the canary-vs-stable thresholds."""
+
+    steps: tuple[int, ...] = (10, 50, 100)  # canaryTrafficPercent per step, increasing; then promote
+    step_seconds: float = 300.0  # live traffic observed per step, after the probes
+    probe_size: int = 50  # recent requests (the newest test lists) sent to both revisions at every step
+    min_requests: int = 50  # requests the canary must have answered in a step to be judged at all
+    max_error_rate_increase: float = 0.01  # canary 5xx rate <= stable's + this
+    max_p99_ratio: float = 1.5  # canary p99 latency <= stable's * this + p99_slack_s
+    p99_slack_s: float = 0.05
+    max_validity_drop: float = 0.01  # canary validity >= stable's - this
+    max_fallback_increase: float = 0.01  # canary fallback rate <= stable's + this
+    min_agreement: float = 0.6  # mean top-k overlap of the two revisions' rankings of the probes
+    agreement_k: int = 3
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str = "quick"
     seed: int = 0
@@ -232,6 +249,7 @@ class Profile:
     opd: OPDConfig = field(default_factory=OPDConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     ar_rl: RLConfig = field(default_factory=RLConfig)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
     bootstrap_samples: int = 1000
 
     def to_dict(self) -> dict[str, Any]:

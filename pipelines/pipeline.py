@@ -1,5 +1,6 @@
 """The retraining DAG: ingest -> feast apply/materialize -> extract -> validate -> candidates -> validate ->
-model stages (floor/ltr, SFT data, AR teacher + no-trace ablation, conversion + CFT, evaluation, gate, deploy).
+model stages (floor/ltr, SFT data, AR teacher + no-trace ablation, conversion + CFT, evaluation, gate, deploy,
+canary analysis).
 Every step is a component in components/; `make run` executes this same definition locally with kfp.local
 (pipelines/run_local.py) and `make compile` writes it as cluster YAML (pipelines/cli.py).
 
@@ -11,6 +12,7 @@ The model stages sit in `_model_stages`, under both validation conditions: a fai
 
 from kfp import dsl
 
+from components.canary_analysis import canary_analysis
 from components.candidates import candidates
 from components.convert_cft import convert_cft
 from components.deploy import deploy
@@ -31,11 +33,14 @@ from pipelines.resources import cpu_task, gpu_task
 PIPELINE_NAME = "gr2-retraining"
 
 
-def _model_stages(sources, examples, profile, dataset, candidate, canary_percent, deploy_dry_run) -> None:
+def _model_stages(
+    sources, examples, profile, dataset, candidate, canary_percent, deploy_dry_run, prometheus_url
+) -> None:
     """Model stages on validated examples (PAPER section 4's stage table): floor/ltr; the AR teacher = SFT
     (`ar_sft`) + RL (`ar`), and its no-trace ablation; conversion (`naive`) + CFT from the final teacher; OPD
     from that teacher; RL of the student (`rl`, the deployable model); the table with speed; the gate; and
-    (only if the gate passes) the canary deployment of the RL student."""
+    (only if the gate passes) the canary deployment of the RL student, then (only if its canary runs) the
+    canary analysis that promotes or rolls back."""
     floor = cpu_task(evaluate_floor(sources=sources, examples=examples, profile=profile, dataset=dataset))
     floor.set_display_name("evaluate-floor")
     sft = cpu_task(prepare_sft(sources=sources, examples=examples, profile=profile))
@@ -77,7 +82,7 @@ def _model_stages(sources, examples, profile, dataset, candidate, canary_percent
         gate(report=ev.outputs["report"], candidate=candidate, data_validation_passed=True, profile=profile)
     )
     with dsl.If(g.outputs["Output"] == True, name="gate-passed"):  # noqa: E712 (a KFP condition, not a bool)
-        cpu_task(
+        dep = cpu_task(
             deploy(
                 model=student.outputs["model"],
                 decision=g.outputs["decision"],
@@ -85,8 +90,20 @@ def _model_stages(sources, examples, profile, dataset, candidate, canary_percent
                 stage="rl",
                 canary_percent=canary_percent,
                 dry_run=deploy_dry_run,
+                examples=examples,  # the smoke test's request
             )
         )
+        with dsl.If(dep.outputs["Output"] == "canary", name="canary-running"):
+            cpu_task(
+                canary_analysis(
+                    plan=dep.outputs["plan"],
+                    examples=examples,
+                    profile=profile,
+                    prometheus_url=prometheus_url,
+                ),
+                cpu="500m",
+                memory="1G",
+            ).set_caching_options(False)  # a decision about the live cluster, never a cached one
 
 
 @dsl.pipeline(
@@ -103,6 +120,7 @@ def gr2_pipeline(
     candidate: str = "rl",
     canary_percent: int = 10,
     deploy_dry_run: bool = True,
+    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090",
 ):
     """`snapshot_date` (the data version, recorded by ingest and the outcome) is part of every cache key, and
     ingest is never cached, so no run reuses another day's data. The whole DAG sits in an exit handler that
@@ -166,6 +184,7 @@ def gr2_pipeline(
                     candidate,
                     canary_percent,
                     deploy_dry_run,
+                    prometheus_url,
                 )
 
 

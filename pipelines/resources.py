@@ -1,15 +1,23 @@
 """Kubernetes settings of pipeline tasks, in one place (kfp.local ignores them; the cluster honours them).
 
 GPU steps (training, decoding) land on the GPU node pool: accelerator limit, node selector, the nvidia.com/gpu
-toleration, resource requests and retries with backoff. Every task gets the artifact-store credentials from a
+toleration, resource requests and retries with backoff. The pool's label and taint are defined once, in the
+kustomize component that puts the serving predictor there (manifests/components/gpu-pool/gpu-pool.yaml). Every task gets the artifact-store credentials from a
 Kubernetes Secret as environment variables (never from pipeline parameters)."""
 
 import os
+from pathlib import Path
 
+import yaml
 from kfp import kubernetes
 
-GPU_POOL_LABEL = os.environ.get("GR2_GPU_POOL_LABEL", "gr2.dev/pool")
-GPU_POOL_VALUE = os.environ.get("GR2_GPU_POOL_VALUE", "gpu")
+_POOL = yaml.safe_load(
+    (
+        Path(__file__).resolve().parents[1] / "manifests" / "components" / "gpu-pool" / "gpu-pool.yaml"
+    ).read_text()
+)["spec"]["predictor"]
+[(GPU_POOL_LABEL, GPU_POOL_VALUE)] = _POOL["nodeSelector"].items()
+[GPU_TOLERATION] = _POOL["tolerations"]  # {key, operator, effect}
 GPU_TYPE = os.environ.get("GR2_GPU_TYPE", "nvidia.com/gpu")
 S3_SECRET = os.environ.get("GR2_S3_SECRET", "gr2-s3-credentials")
 S3_SECRET_KEYS = {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"}
@@ -38,5 +46,5 @@ def gpu_task(task, gpus: int = 1, cpu: str = "8", memory: str = "32G"):
     task.set_cpu_request(cpu).set_memory_request(memory)
     task.set_retry(2, backoff_duration="60s", backoff_factor=2, backoff_max_duration="1800s")
     kubernetes.add_node_selector(task, label_key=GPU_POOL_LABEL, label_value=GPU_POOL_VALUE)
-    kubernetes.add_toleration(task, key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
+    kubernetes.add_toleration(task, **GPU_TOLERATION)
     return _common(task)

@@ -28,6 +28,7 @@ from kserve.errors import InvalidInput
 from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
 from gr2.inference import DECODERS, Reranker, load_reranker
+from serving import metrics
 from serving.batcher import MicroBatcher
 from serving.schema import (
     BadRequest,
@@ -136,6 +137,7 @@ class RerankPredictor(kserve.Model):
         # our own parser validates (and names fields consistently for v1 and v2); skip kserve's shallow check
         return payload
 
+    @metrics.instrument_predict  # requests by status and decoder, latency, validity, tokens per forward
     async def predict(
         self, payload: dict | InferRequest | bytes, headers: dict[str, str] | None = None
     ) -> dict | InferResponse:

@@ -1,5 +1,6 @@
 """The compiled DAG (both YAML documents): every step and its image, GPU settings on every training and
-evaluation step, deploy under the gate's condition, the exit handler, caching keyed on snapshot_date."""
+evaluation step, deploy under the gate's condition, the canary analysis under deploy's outcome, the exit
+handler, caching keyed on snapshot_date."""
 
 from __future__ import annotations
 
@@ -47,7 +48,15 @@ def test_dag_steps_images_and_parameters(compiled):
     assert spec["pipelineInfo"]["name"] == PIPELINE_NAME
     names = set(_tasks(spec)) - {"root"}
     expected = {"ingest", "feast-apply", "extract", "validate-targets", "candidates", "validate-examples"}
-    expected |= {"evaluate-floor", "prepare-sft", *GPU_STEPS, "gate", "deploy", "record-outcome"}
+    expected |= {
+        "evaluate-floor",
+        "prepare-sft",
+        *GPU_STEPS,
+        "gate",
+        "deploy",
+        "canary-analysis",
+        "record-outcome",
+    }
     assert expected <= names
     for label, ex in spec["deploymentSpec"]["executors"].items():
         c = ex["container"]
@@ -57,9 +66,15 @@ def test_dag_steps_images_and_parameters(compiled):
             c["command"]
         )  # the image has the project; nothing installed at run
     params = spec["root"]["inputDefinitions"]["parameters"]
-    assert {"dataset", "profile", "snapshot_date", "candidate", "bounds_json", "canary_percent"} <= set(
-        params
-    )
+    assert {
+        "dataset",
+        "profile",
+        "snapshot_date",
+        "candidate",
+        "bounds_json",
+        "canary_percent",
+        "prometheus_url",
+    } <= set(params)
 
 
 def test_gpu_steps_have_accelerator_node_selector_toleration_retries(compiled):
@@ -112,6 +127,27 @@ def test_deploy_sits_under_the_gate_condition(compiled):
     assert "deploy" in spec["components"][parent]["dag"]["tasks"]
     # ... and the gate itself is not conditional on itself: it sits beside the branch
     assert tasks["gate"][0] == tasks["gate-passed"][0]
+
+
+def test_canary_analysis_runs_only_when_the_canary_runs(compiled):
+    spec, _ = compiled
+    tasks = _tasks(spec)
+    parent, task = tasks["canary-analysis"]
+    [(cond_name, cond)] = [
+        (n, t) for n, (_, t) in tasks.items() if t.get("componentRef", {}).get("name") == parent
+    ]
+    assert cond_name == "canary-running"
+    assert (
+        cond["triggerPolicy"]["condition"]
+        == "inputs.parameter_values['pipelinechannel--deploy-Output'] == 'canary'"
+    )
+    assert tasks["canary-running"][0] == tasks["deploy"][0]  # beside deploy, inside the gate's branch
+    assert cond["inputs"]["artifacts"]["pipelinechannel--deploy-plan"]["taskOutputArtifact"] == {
+        "outputArtifactKey": "plan",
+        "producerTask": "deploy",
+    }
+    assert set(task["inputs"]["artifacts"]) == {"plan", "examples"}
+    assert task["cachingOptions"] == {}  # a decision about the live cluster, never a cached one
 
 
 def test_exit_handler_records_the_outcome(compiled):

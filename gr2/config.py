@@ -81,6 +81,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     keep_checkpoints: int = 2  # newest checkpoints kept in out_dir/checkpoints
+    # Micro-batches of batch_size per process per optimizer step: the global batch is
+    # batch_size * grad_accum * world_size (gr2/train.py).
+    grad_accum: int = 1
+    bf16: bool = False  # bfloat16 autocast of forward + loss (weights, gradients and AdamW stay fp32)
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,8 @@ class OPDConfig:
     grad_clip: float = 1.0
     checkpoint_every: int = 10
     log_every: int = 5
+    grad_accum: int = 1  # rollout batches per process per optimizer step (TrainConfig.grad_accum)
+    bf16: bool = False
 
 
 @dataclass(frozen=True)
@@ -202,6 +208,8 @@ class RLConfig:
     grad_clip: float = 1.0
     checkpoint_every: int = 10
     log_every: int = 5
+    grad_accum: int = 1  # rollout batches per process per optimizer step (TrainConfig.grad_accum)
+    bf16: bool = False
 
 
 @dataclass(frozen=True)

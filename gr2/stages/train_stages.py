@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 from tqdm import tqdm
 
 from gr2.config import Profile, TrainConfig
@@ -38,6 +39,15 @@ def _fit(
 ) -> TrainResult:
     batches = BucketedBatches(records, cfg.batch_size, collate_fn, seed=cfg.seed)
     return train(model, batches, loss_fn, cfg, out)
+
+
+def write_bundle(out_dir: str | Path, model: torch.nn.Module, tok, sids, ev, meta: dict) -> Path:
+    """save_bundle on rank 0 only: a stage may run in N processes (gr2/train.py); every rank waits for it."""
+    state = PartialState()
+    if state.is_main_process:
+        save_bundle(out_dir, model, tok, sids, ev, meta)
+    state.wait_for_everyone()
+    return Path(out_dir)
 
 
 def _summary(res: TrainResult, model: torch.nn.Module, n_records: int) -> dict:
@@ -82,7 +92,7 @@ def train_ar_teacher(data: SFTData, profile: Profile, out_dir: str | Path, varia
         "profile": profile.name,
     }
     log.info("train_ar_teacher %s: %s", variant, meta["train"])
-    return save_bundle(out / "bundle", model, tok, data.sids, data.evidence, meta)
+    return write_bundle(out / "bundle", model, tok, data.sids, data.evidence, meta)
 
 
 def convert(ar_bundle: str | Path, block_size: int, out_dir: str | Path, name: str = "naive") -> Path:
@@ -91,7 +101,7 @@ def convert(ar_bundle: str | Path, block_size: int, out_dir: str | Path, name: s
     student = convert_to_diffusion(model, block_size, tok.mask_token_id)
     meta = {**cfg, "name": name, "stage": "convert", "parent": str(ar_bundle)}
     meta["max_new_tokens"] = -(-cfg["max_new_tokens"] // block_size) * block_size + block_size
-    return save_bundle(out_dir, student, tok, sids, ev, meta)
+    return write_bundle(out_dir, student, tok, sids, ev, meta)
 
 
 TEACHER_TARGETS = "teacher_targets.pt"
@@ -142,9 +152,10 @@ def teacher_records(
         "same_as_sft_frac": n_same / max(len(out), 1),
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    if cache is not None:
+    if cache is not None:  # written then renamed: a reader never sees half a file
         cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"records": [tuple(r) for r in out], "stats": stats}, cache)
+        torch.save({"records": [tuple(r) for r in out], "stats": stats}, cache.with_suffix(".tmp"))
+        cache.with_suffix(".tmp").rename(cache)
     return out, stats
 
 
@@ -164,7 +175,8 @@ def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir
         raise ValueError(f"bundle block_size {bs} != profile diffusion.block_size {dc.block_size}")
     if dc.cft_targets == "teacher":
         teacher = GenerativeReranker(model, tok, sids, ev, cfg)
-        records, targets = teacher_records(teacher, data.records["trace"], profile, out / TEACHER_TARGETS)
+        with PartialState().main_process_first():  # rank 0 decodes and caches; the other ranks read the cache
+            records, targets = teacher_records(teacher, data.records["trace"], profile, out / TEACHER_TARGETS)
         log.info("cft targets: %s", targets)
     elif dc.cft_targets == "sft":
         records, targets = data.records["trace"], {"targets": "sft", "n_records": len(data.records["trace"])}
@@ -200,7 +212,7 @@ def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir
         "cft_targets": targets,
     }
     log.info("train_cft: %s", meta["train"])
-    return save_bundle(out / "bundle", model, tok, sids, ev, meta)
+    return write_bundle(out / "bundle", model, tok, sids, ev, meta)
 
 
 def _cft_loss(model, batch, rng, **kw) -> torch.Tensor:

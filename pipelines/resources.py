@@ -1,12 +1,15 @@
 """Kubernetes settings of pipeline tasks, in one place (kfp.local ignores them; the cluster honours them).
 
-GPU steps (training, decoding) land on the GPU node pool: accelerator limit, node selector, the nvidia.com/gpu
+Training steps submit Kubeflow Trainer TrainJobs (`train_task`). GPU steps (decoding) land on the GPU node pool: accelerator limit, node selector, the nvidia.com/gpu
 toleration, resource requests and retries with backoff. Every task gets the artifact-store credentials from a
 Kubernetes Secret as environment variables (never from pipeline parameters)."""
 
 import os
 
 from kfp import kubernetes
+
+from components._lib.trainjob import MOUNT as TRAIN_MOUNT
+from components._lib.trainjob import PVC as TRAIN_PVC
 
 GPU_POOL_LABEL = os.environ.get("GR2_GPU_POOL_LABEL", "gr2.dev/pool")
 GPU_POOL_VALUE = os.environ.get("GR2_GPU_POOL_VALUE", "gpu")
@@ -39,4 +42,15 @@ def gpu_task(task, gpus: int = 1, cpu: str = "8", memory: str = "32G"):
     task.set_retry(2, backoff_duration="60s", backoff_factor=2, backoff_max_duration="1800s")
     kubernetes.add_node_selector(task, label_key=GPU_POOL_LABEL, label_value=GPU_POOL_VALUE)
     kubernetes.add_toleration(task, key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
+    return _common(task)
+
+
+def train_task(task):
+    """A training step (SFT, CFT, OPD, RL): a small pod that submits the stage as a Kubeflow Trainer TrainJob and
+    waits for it (components/_lib/trainjob.py). The GPUs, GPU pool and tolerations are the TrainJob's; the
+    shared workspace volume carries inputs, checkpoints and outputs between this pod and the job's pods. A retry
+    re-attaches to the job (or resumes it from its checkpoints)."""
+    task.set_cpu_request("1").set_memory_request("4G")
+    task.set_retry(2, backoff_duration="60s", backoff_factor=2, backoff_max_duration="1800s")
+    kubernetes.mount_pvc(task, pvc_name=TRAIN_PVC, mount_path=TRAIN_MOUNT)
     return _common(task)

@@ -60,6 +60,20 @@ class ModelConfig:
     n_kv_head: int = 0  # 0 = n_head (no grouped-query attention)
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
+    # A pretrained transformers causal LM instead of the fresh Llama above (whose sizes are then ignored): a local
+    # folder, a .gguf file, or a hub id read from the local cache only (gr2/model.py load_pretrained).
+    pretrained: str = ""
+    lora_rank: int = 0  # > 0: train LoRA adapters (peft) + the embeddings, not the whole backbone
+    lora_alpha: int = 16
+    lora_targets: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from accelerate import PartialState
 
 from gr2.config import Profile, TrainConfig
 from gr2.generative import GenerativeReranker, load_bundle_parts
+from gr2.model import add_lora
 from gr2.opd import kl_per_token, make_opd_batch, opd_loss, sequence_mean
 from gr2.reward import response_reward
 from gr2.rl import RolloutBatch, group_advantages, grpo_loss, policy_logits, rollout_batch, sample
@@ -283,6 +284,7 @@ def train_opd(
     if len(data.tokenizer) != len(tok):
         raise ValueError("the SFT data and the student bundle have different vocabularies")
     teacher.requires_grad_(False)
+    student = add_lora(student, profile.model)
     rr = GenerativeReranker(student, tok, sids, ev, cfg)
     prompts, _, _ = train_prompts(rr, examples, oc.max_prompts, profile.seed)
     batches = OPDBatches(student, teacher, prompts, tok, oc, bs, rr.max_new_tokens, profile.seed)
@@ -310,6 +312,7 @@ def train_rl(
     model, tok, sids, ev, cfg = load_bundle_parts(bundle)
     bs = int(model.config.gr2_block_size or 0)
     rc = profile.rl if bs > 0 else profile.ar_rl
+    model = add_lora(model, profile.model)
     if len(data.tokenizer) != len(tok):
         raise ValueError("the SFT data and the bundle have different vocabularies")
     rr = GenerativeReranker(model, tok, sids, ev, cfg)

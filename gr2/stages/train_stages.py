@@ -19,7 +19,7 @@ from tqdm import tqdm
 from gr2.config import Profile, TrainConfig
 from gr2.generative import GenerativeReranker, load_bundle_parts, save_bundle
 from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
-from gr2.model import build_model, convert_to_diffusion, n_params
+from gr2.model import add_lora, build_backbone, convert_to_diffusion, n_params
 from gr2.stages.prepare import SFTData
 from gr2.teacher import SFTRecord
 from gr2.train import BucketedBatches, LossFn, TrainResult, train
@@ -69,15 +69,7 @@ def train_ar_teacher(data: SFTData, profile: Profile, out_dir: str | Path, varia
     records = data.records[variant]
     tok = data.tokenizer
     torch.manual_seed(profile.seed)
-    model = build_model(
-        profile.model,
-        len(tok),
-        tok.pad_token_id,
-        tok.eos_token_id,
-        tok.bos_token_id,
-        tok.mask_token_id,
-        profile.seed,
-    )
+    model = build_backbone(profile.model, tok, profile.seed)  # fresh, or pretrained (+ LoRA): gr2/model.py
     res = _fit(
         model, records, partial(collate, pad_id=tok.pad_token_id), ar_batch_loss, profile.sft, out / "train"
     )
@@ -198,6 +190,7 @@ def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir
         weighting=dc.loss_weighting,
         certainty_weight=dc.certainty_weight,
     )
+    model = add_lora(model, profile.model)  # after the teacher targets: they are the unchanged model's
     res = _fit(model, records, collate_fn, loss_fn, profile.cft, out / "train")
     meta = {
         **cfg,

@@ -124,6 +124,14 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def process_state() -> Any:
+    """accelerate's PartialState: joins the process group that torchrun / a TrainJob set up (nccl on GPUs, gloo on
+    CPU). accelerate only forms a CPU group when asked for the CPU, hence cpu= when there is no CUDA."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     """Newest complete checkpoint folder in out_dir/checkpoints (None if there is none)."""
     done = sorted(p for p in (Path(out_dir) / "checkpoints").glob("step_*") if (p / STATE_FILE).exists())
@@ -270,8 +278,10 @@ def train(
     from accelerate import Accelerator
 
     out = Path(out_dir)
-    acc = accelerator or Accelerator()
+    acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     world, rank, accum = acc.num_processes, acc.process_index, max(1, cfg.grad_accum)
+    if world != int(os.environ.get("WORLD_SIZE", "1")):  # N copies of a 1-process run would train N times
+        raise RuntimeError(f"launched as {os.environ['WORLD_SIZE']} processes, but accelerate sees {world}")
     micro = {"world_size": world, "grad_accum": accum}
     G = world * accum
     total = _total_steps(batches_fn, cfg, G)

@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from accelerate import PartialState
 
 from gr2.config import Profile, TrainConfig
 from gr2.generative import GenerativeReranker, load_bundle_parts
@@ -35,7 +34,7 @@ from gr2.reward import response_reward
 from gr2.rl import RolloutBatch, group_advantages, grpo_loss, policy_logits, rollout_batch, sample
 from gr2.stages.prepare import SFTData
 from gr2.stages.train_stages import write_bundle
-from gr2.train import LOG_FILE, TrainResult, latest_checkpoint, train, truncate_log
+from gr2.train import LOG_FILE, TrainResult, latest_checkpoint, process_state, train, truncate_log
 
 log = logging.getLogger(__name__)
 ROLLOUT_LOG = "rollout_log.jsonl"
@@ -176,7 +175,7 @@ class LoggedLoss:
     def __call__(self, model, batch: RolloutBatch, rng) -> torch.Tensor:
         loss, stats = self.fn(model, batch)
         # Rank 0 logs its own rollouts; "step" is the micro-batch index (gr2/train.py).
-        if PartialState().is_main_process:
+        if process_state().is_main_process:
             row = {"step": batch.step, "loss": float(loss.detach()), **batch.stats, **stats}
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -202,7 +201,7 @@ def _train_cfg(c, seed: int) -> TrainConfig:
 
 def _run(model, batches_fn, fn, cfg: TrainConfig, out: Path) -> TrainResult:
     """The shared loop, plus the rollout log truncated to the resumed step (as train.py does its own log)."""
-    state = PartialState()
+    state = process_state()
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         ckpt = latest_checkpoint(out)

@@ -13,7 +13,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from accelerate import PartialState
 from tqdm import tqdm
 
 from gr2.config import Profile, TrainConfig
@@ -22,7 +21,7 @@ from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
 from gr2.model import add_lora, build_backbone, convert_to_diffusion, n_params
 from gr2.stages.prepare import SFTData
 from gr2.teacher import SFTRecord
-from gr2.train import BucketedBatches, LossFn, TrainResult, train
+from gr2.train import BucketedBatches, LossFn, TrainResult, process_state, train
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ def _fit(
 
 def write_bundle(out_dir: str | Path, model: torch.nn.Module, tok, sids, ev, meta: dict) -> Path:
     """save_bundle on rank 0 only: a stage may run in N processes (gr2/train.py); every rank waits for it."""
-    state = PartialState()
+    state = process_state()
     if state.is_main_process:
         save_bundle(out_dir, model, tok, sids, ev, meta)
     state.wait_for_everyone()
@@ -167,7 +166,9 @@ def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir
         raise ValueError(f"bundle block_size {bs} != profile diffusion.block_size {dc.block_size}")
     if dc.cft_targets == "teacher":
         teacher = GenerativeReranker(model, tok, sids, ev, cfg)
-        with PartialState().main_process_first():  # rank 0 decodes and caches; the other ranks read the cache
+        with (
+            process_state().main_process_first()
+        ):  # rank 0 decodes and caches; the other ranks read the cache
             records, targets = teacher_records(teacher, data.records["trace"], profile, out / TEACHER_TARGETS)
         log.info("cft targets: %s", targets)
     elif dc.cft_targets == "sft":

@@ -161,3 +161,13 @@ def test_lora_backbone_trains_and_the_diffusion_path_runs_unchanged(pretrained, 
     assert grads and all(gr is not None for gr in grads) and any(gr.abs().sum() > 0 for gr in grads)
     out = save_model(student, tmp_path / "student")
     assert not any("lora_" in k for k in load_model(out)[0].state_dict())
+
+
+def test_gpu_and_smoke_profiles_name_a_pretrained_backbone():
+    from gr2.config import load_profile
+
+    gpu = load_profile("gpu")
+    assert gpu.model.pretrained and all(c.bf16 for c in (gpu.sft, gpu.cft, gpu.opd, gpu.rl, gpu.ar_rl))
+    assert gpu.sft.grad_accum > 1
+    smoke = load_profile("smollm2")
+    assert smoke.model.pretrained.endswith(".gguf") and smoke.model.lora_rank > 0

@@ -104,7 +104,10 @@ def run_step(
     if mode == "inline":
         return run_here(step, kwargs)
     if mode == "torchrun":
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        from components._lib.paths import REPO_ROOT
+
+        path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         subprocess.run(torchrun_command(step, kwargs, procs_per_node), check=True, env=env)
         return train_summary(step, outputs)
     return run_trainjob(step, inputs, outputs, params, nodes, procs_per_node)

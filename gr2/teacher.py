@@ -8,13 +8,15 @@ TRAINING lists. It writes every SFT target:
 - the trace: its verdict on every candidate, a score level 0..L-1 in prompt order (gr2/prompt.py
   `render_trace`). The levels are quantiles of the training candidates' scores, finer at the top, where the
   answer's first label is decided;
-- the answer: the held-out item first (what SFT teaches the model to find), then the other candidates in the
-  teacher's order (so R@3/R@5 follow the evidence when the first label is wrong).
+- the answer (TeacherConfig.answer): "teacher", the teacher's own ranking: the answer orders the verdicts the
+  trace has just written, a deterministic function of the prompt that a small model learns closely; or
+  "label", the held-out item first and then the teacher's order, which also asks the answer to guess where
+  the teacher is wrong (noisy on weak-signal data). The held-out items' reward comes in at RL.
 
-The trace does not depend on the held-out item, so it carries what the evidence says and the answer learns
-when to follow it and when not. GR2's rejection sampling (sample rankings until one puts the held-out item first,
-then explain that one) did neither: it dropped the lists the teacher gets wrong, and its trace named the answer
-before the answer did (README: "closing the distillation gap" has the measurements).
+The trace never depends on the held-out item: it carries what the evidence says. GR2's rejection sampling
+(sample rankings until one puts the held-out item first, then explain that one) dropped the lists the teacher
+gets wrong, and its trace named the answer before the answer did (README: "closing the distillation gap" has
+the measurements).
 """
 
 from __future__ import annotations
@@ -153,11 +155,18 @@ def fit_teacher(
     return Teacher.fit(features[idx], np.asarray(labels)[idx], feature_names, cfg.l2, score_levels)
 
 
-def answer_ranking(scores: Sequence[float], label: int) -> list[int]:
-    """The SFT answer: the held-out item first, then every other candidate by descending teacher score (ties keep
-    the retriever order)."""
-    order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
-    return [int(label), *(int(i) for i in order if i != label)]
+ANSWERS = ("teacher", "label")
+
+
+def answer_ranking(scores: Sequence[float], label: int, answer: str = "teacher") -> list[int]:
+    """The SFT answer: every candidate by descending teacher score (ties keep the retriever order); with
+    answer "label" the held-out item is moved to the front."""
+    if answer not in ANSWERS:
+        raise ValueError(f"teacher.answer must be one of {ANSWERS}, got {answer!r}")
+    order = [int(i) for i in np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")]
+    if answer == "teacher":
+        return order
+    return [int(label), *(i for i in order if i != label)]
 
 
 # ----------------------------------------------------------------------------- SFT records
@@ -201,7 +210,7 @@ def build_sft_records(
             [sids.codes[i] for i in hist if i in sids.codes],
             [sids.codes[c] for c in cands],
             buckets[r],
-            answer_ranking(scores[r], int(labels[r])),
+            answer_ranking(scores[r], int(labels[r]), cfg.teacher.answer),
             trace,
             feature_names,
             cfg.sft.answer_weight,

@@ -65,8 +65,10 @@ def build_tokenizer(
 def tokenizer_for(
     sids: SemanticIds, feature_names: Sequence[str] | None, cfg: PromptConfig = PromptConfig()
 ) -> PreTrainedTokenizerFast:
-    """The tokenizer for a set of semantic IDs and the evidence features shown in prompts."""
-    return build_tokenizer(sids.codebook_sizes, feature_names, cfg=cfg)
+    """The tokenizer for the prompts of `cfg`: semantic-ID tokens only when the prompt shows items
+    (cfg.item_tokens != "none"; unused output classes would only cost softmax work), and the evidence features."""
+    sizes = sids.codebook_sizes if cfg.item_tokens != "none" else ()
+    return build_tokenizer(sizes, feature_names, cfg=cfg)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

@@ -87,7 +87,7 @@ def prepare_sft(
     train = _subsample(examples[examples["split"] == "train"], profile.data.max_train_examples, seed)
     train = train.reset_index(drop=True)
     x_train = list_features(evidence, train)
-    evidence.fit_buckets(x_train)
+    evidence.fit_buckets(x_train, profile.prompt.n_buckets)
     b_train = evidence.buckets(x_train)
     sids = build_semantic_ids(dataset.name, dataset.items, seqs, profile.sid, seed)
     tokenizer = tokenizer_for(sids, FEATURE_NAMES, profile.prompt)

@@ -70,10 +70,25 @@ def test_score_levels_follow_the_score_and_resolve_the_top():
     assert float((lv[np.arange(len(y)), y] == lv.max(1)).mean()) > 0.5
 
 
-def test_answer_ranking_puts_the_held_out_item_first_then_the_teachers_order():
+def test_answer_ranking_teacher_or_held_out_item_first():
     scores = [0.1, 0.9, 0.5, 0.5, -1.0]
-    assert answer_ranking(scores, 4) == [4, 1, 2, 3, 0]  # ties (C, D) keep retriever order
-    assert answer_ranking(scores, 1) == [1, 2, 3, 0, 4]
+    assert answer_ranking(scores, 4) == [
+        1,
+        2,
+        3,
+        0,
+        4,
+    ]  # the teacher's order; ties (C, D) keep retriever order
+    assert answer_ranking(scores, 4, "label") == [
+        4,
+        1,
+        2,
+        3,
+        0,
+    ]  # the held-out item first, then the teacher's
+    assert answer_ranking(scores, 1, "label") == [1, 2, 3, 0, 4]
+    with pytest.raises(ValueError, match="teacher.answer"):
+        answer_ranking(scores, 1, "sampled")
 
 
 def _toy_sids(n_items: int) -> SemanticIds:
@@ -107,13 +122,18 @@ def test_build_sft_records_variants():
     for i, (a, c) in enumerate(zip(rt, ra, strict=True)):
         assert a.prompt_ids == c.prompt_ids  # same prompt
         pa, pc = parse_response(a.response_ids, 10, tok), parse_response(c.response_ids, 10, tok)
-        assert pa.ranking == pc.ranking == answer_ranking(scores[i], int(y[i]))  # same answer, label first
+        assert pa.ranking == pc.ranking == answer_ranking(scores[i], int(y[i]))  # same answer: the teacher's
         words = tok.decode(a.response_ids, skip_special_tokens=True).split()
         assert words[:20:2] == [f"[{chr(65 + k)}]" for k in range(10)]  # every candidate, in prompt order
         assert words[1:20:2] == [f"<score_{v}>" for v in levels[i]]  # with the teacher's level
         assert words[20] == "{"
         assert a.response_weights[:20] == [cfg.sft.trace_weight] * 20
         assert set(a.response_weights[20:]) == {cfg.sft.answer_weight}
+    # teacher.answer "label": the same trace, the held-out item moved to the front of the answer.
+    lab_cfg = Profile(teacher=TeacherConfig(answer="label"))
+    lab = build_sft_records(examples, x, b, NAMES, _toy_sids(64), teacher, tok, lab_cfg)
+    assert [parse_response(r.response_ids, 10, tok).ranking[0] for r in lab] == y.tolist()
+    assert all(a.response_ids[:20] == c.response_ids[:20] for a, c in zip(rt, lab, strict=True))
     with pytest.raises(ValueError, match="variant"):
         build_sft_records(examples, x, b, NAMES, _toy_sids(64), teacher, tok, cfg, variant="x")
 

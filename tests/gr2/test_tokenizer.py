@@ -50,3 +50,15 @@ def test_encode_decode_round_trip_and_unknown(tmp_path):
     assert back(text, add_special_tokens=False)["input_ids"] == ids
     assert back.mask_token_id == tok.mask_token_id and len(back) == len(tok)
     assert tok.decode([tok.bos_token_id, *ids, tok.eos_token_id], skip_special_tokens=True) == text
+
+
+def test_semantic_id_tokens_only_when_the_prompt_shows_items():
+    from gr2.config import PromptConfig
+    from gr2.sid import SemanticIds
+    from gr2.tokenizer import tokenizer_for
+
+    sids = SemanticIds(codes={"x": (1, 2, 3, 0)}, codebook_sizes=SIZES)
+    shown = tokenizer_for(sids, FEATURE_NAMES, PromptConfig(item_tokens="candidates")).get_vocab()
+    hidden = tokenizer_for(sids, FEATURE_NAMES, PromptConfig(item_tokens="none")).get_vocab()
+    assert "<a_1>" in shown and not any(t.startswith("<a_") for t in hidden)
+    assert len(shown) - len(hidden) == sum(SIZES) and "<score_7>" in hidden

@@ -60,6 +60,20 @@ class ModelConfig:
     n_kv_head: int = 0  # 0 = n_head (no grouped-query attention)
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
+    # A pretrained transformers causal LM instead of the fresh Llama above (whose sizes are then ignored): a local
+    # folder, a .gguf file, or a hub id read from the local cache only (gr2/model.py load_pretrained).
+    pretrained: str = ""
+    lora_rank: int = 0  # > 0: train LoRA adapters (peft) + the embeddings, not the whole backbone
+    lora_alpha: int = 16
+    lora_targets: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     keep_checkpoints: int = 2  # newest checkpoints kept in out_dir/checkpoints
+    # Micro-batches of batch_size per process per optimizer step: the global batch is
+    # batch_size * grad_accum * world_size (gr2/train.py).
+    grad_accum: int = 1
+    bf16: bool = False  # bfloat16 autocast of forward + loss (weights, gradients and AdamW stay fp32)
 
 
 @dataclass(frozen=True)
@@ -180,6 +198,8 @@ class OPDConfig:
     grad_clip: float = 1.0
     checkpoint_every: int = 10
     log_every: int = 5
+    grad_accum: int = 1  # rollout batches per process per optimizer step (TrainConfig.grad_accum)
+    bf16: bool = False
 
 
 @dataclass(frozen=True)
@@ -206,6 +226,8 @@ class RLConfig:
     grad_clip: float = 1.0
     checkpoint_every: int = 10
     log_every: int = 5
+    grad_accum: int = 1  # rollout batches per process per optimizer step (TrainConfig.grad_accum)
+    bf16: bool = False
     # Certainty forcing through RL (block-diffusion student only; gr2/rl.py rollout_certainty): + this weight *
     # entropy at masked rollout positions the student already predicts right, so RL keeps the tokens per forward
     # that CFT's certainty forcing bought (diffusion.certainty_weight). 0 = off.

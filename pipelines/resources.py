@@ -1,15 +1,19 @@
 """Kubernetes settings of pipeline tasks, in one place (kfp.local ignores them; the cluster honours them).
 
-GPU steps (training, decoding) land on the GPU node pool: accelerator limit, node selector, the nvidia.com/gpu
-toleration, resource requests and retries with backoff. The pool's label and taint are defined once, in the
-kustomize component that puts the serving predictor there (manifests/components/gpu-pool/gpu-pool.yaml). Every task gets the artifact-store credentials from a
-Kubernetes Secret as environment variables (never from pipeline parameters)."""
+Training steps submit Kubeflow Trainer TrainJobs (`train_task`). GPU steps (decoding) land on the GPU node pool:
+accelerator limit, node selector, the nvidia.com/gpu toleration, resource requests and retries with backoff. The
+pool's label and taint are defined once, in the kustomize component that puts the serving predictor there
+(manifests/components/gpu-pool/gpu-pool.yaml); TrainJobs use the same. Every task gets the artifact-store
+credentials from a Kubernetes Secret as environment variables (never from pipeline parameters)."""
 
 import os
 from pathlib import Path
 
 import yaml
 from kfp import kubernetes
+
+from components._lib.trainjob import MOUNT as TRAIN_MOUNT
+from components._lib.trainjob import PVC as TRAIN_PVC
 
 _POOL = yaml.safe_load(
     (
@@ -47,4 +51,15 @@ def gpu_task(task, gpus: int = 1, cpu: str = "8", memory: str = "32G"):
     task.set_retry(2, backoff_duration="60s", backoff_factor=2, backoff_max_duration="1800s")
     kubernetes.add_node_selector(task, label_key=GPU_POOL_LABEL, label_value=GPU_POOL_VALUE)
     kubernetes.add_toleration(task, **GPU_TOLERATION)
+    return _common(task)
+
+
+def train_task(task):
+    """A training step (SFT, CFT, OPD, RL): a small pod that submits the stage as a Kubeflow Trainer TrainJob and
+    waits for it (components/_lib/trainjob.py). The GPUs, GPU pool and tolerations are the TrainJob's; the
+    shared workspace volume carries inputs, checkpoints and outputs between this pod and the job's pods. A retry
+    re-attaches to the job (or resumes it from its checkpoints)."""
+    task.set_cpu_request("1").set_memory_request("4G")
+    task.set_retry(2, backoff_duration="60s", backoff_factor=2, backoff_max_duration="1800s")
+    kubernetes.mount_pvc(task, pvc_name=TRAIN_PVC, mount_path=TRAIN_MOUNT)
     return _common(task)

@@ -9,17 +9,19 @@ import yaml
 
 from components._image import BASE_IMAGE, TRAIN_IMAGE
 from pipelines.pipeline import PIPELINE_NAME, compile_pipeline
-from pipelines.resources import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TYPE, S3_SECRET
+from pipelines.resources import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TYPE, S3_SECRET, TRAIN_MOUNT, TRAIN_PVC
 
-GPU_STEPS = [
+# Training steps submit Kubeflow Trainer TrainJobs (the GPUs are the job's: tests/components/test_trainjob.py);
+# the decoding step runs on the GPU pool itself.
+TRAIN_STEPS = [
     "train-ar-teacher",
     "rl-ar-teacher",
     "train-ar-no-trace",
     "convert-cft",
     "distill-on-policy",
     "rl-diffusion",
-    "evaluate-models",
 ]
+GPU_STEPS = ["evaluate-models"]
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +77,7 @@ def test_dag_steps_images_and_parameters(compiled):
         "canary_percent",
         "prometheus_url",
     } <= set(params)
+    assert {"train_nodes", "train_gpus_per_node"} <= set(params)
 
 
 def test_gpu_steps_have_accelerator_node_selector_toleration_retries(compiled):
@@ -96,6 +99,22 @@ def test_gpu_steps_have_accelerator_node_selector_toleration_retries(compiled):
         env = {e["envVar"] for s in plat["secretAsEnv"] for e in s["keyToEnv"]}
         assert {s["secretName"] for s in plat["secretAsEnv"]} == {S3_SECRET}, step
         assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= env, step
+    # Training steps are small launcher pods: no GPU of their own, the shared workspace volume mounted, the
+    # TrainJob's size wired from the pipeline parameters.
+    for step in TRAIN_STEPS:
+        _, task = tasks[step]
+        label = _executor(spec, task)
+        assert "accelerator" not in spec["deploymentSpec"]["executors"][label]["container"].get(
+            "resources", {}
+        )
+        assert "nodeSelector" not in k8s[label], step
+        [mount] = k8s[label]["pvcMount"]
+        assert mount["constant"] == TRAIN_PVC and mount["mountPath"] == TRAIN_MOUNT, step
+        params = task["inputs"]["parameters"]
+        assert params["train_nodes"] == {"componentInputParameter": "pipelinechannel--train_nodes"}, step
+        assert params["gpus_per_node"] == {"componentInputParameter": "pipelinechannel--train_gpus_per_node"}
+        assert task["retryPolicy"]["maxRetryCount"] == 2
+        assert "run_step(" in " ".join(spec["deploymentSpec"]["executors"][label]["container"]["command"])
     # CPU steps stay off the GPU pool.
     for step in ["gate", "deploy", "prepare-sft", "evaluate-floor"]:
         label = _executor(spec, tasks[step][1])

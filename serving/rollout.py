@@ -187,7 +187,7 @@ def rollout(
     target = variants["promote" if ok else "rollback"]
     kube.apply(next(d for d in target if d["kind"] == ISVC_KIND))
     if ok:
-        pointer = store.promote(run_id, stage, record)
+        pointer = store.promote(run_id, stage, record, attempt=manifest.attempt)  # the attempt smoke-tested
         plan.log("promote", pointer=pointer)
         return finish("promoted")
     plan.log("rollback", canary_percent=0)

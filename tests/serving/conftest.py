@@ -145,3 +145,17 @@ def transformer(predictor, feast_repo, tmp_path_factory):
     wait_ready(f"http://127.0.0.1:{port}/v1/models/{MODEL}", timeout_s=90, proc=proc)
     yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "log": log}
     stop(proc)
+
+
+@pytest.fixture(scope="module")
+def items(ml_slice):
+    return list(ml_slice["items"]["item_id"])
+
+
+@pytest.fixture(scope="module", params=["predictor", "transformer"])
+def server(request, predictor):
+    """Each test runs against the predictor alone and against the transformer in front of it."""
+    if request.param == "predictor":
+        wait_ready(f"{predictor['url']}/v1/models/{MODEL}", timeout_s=180, proc=predictor["proc"])
+        return {"name": "predictor", **predictor}
+    return {"name": "transformer", **request.getfixturevalue("transformer")}

@@ -4,8 +4,9 @@ kserve 0.21 hard-codes host="0.0.0.0" in RESTServer (STACK.md §3); locally and 
 forcing uvicorn.Config's host. In front of kserve sits `RequestGuardMiddleware`: model control off unless
 asked for, body size / time limits, and the whole request validated (serving/schema.py) before kserve decodes
 it or a model looks anything up. Behind it, a model's `BadRequest` (4xx) or `UpstreamError` (502/503/504) is
-answered with its own status and one log line without a traceback (kserve logs a traceback per 400), and
-`ProbeDataPlane` makes the readiness probes tell the truth.
+answered with its own status and one log line without a traceback (kserve logs a traceback per 400, and
+`OneLineClientErrors` trims its other 4xx/503 logs to one line), and `ProbeDataPlane` makes the readiness
+probes tell the truth.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import re
 from typing import Any
 
 import uvicorn
-from kserve.errors import ModelNotFound
+from kserve.errors import InvalidInput, ModelNotFound, ModelNotReady, ServerNotReady
 from kserve.protocol.dataplane import DataPlane
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -46,6 +47,19 @@ def force_bind_host(host: str) -> None:
 def log_rejection(method: str, path: str, status: int, message: str) -> None:
     """The one line a rejected request leaves in the log: no traceback, client echoes cut short."""
     log.warning("%s %s -> %d %s", method, cut(path, 120), status, cut(message, 300))
+
+
+class OneLineClientErrors(logging.Filter):
+    """kserve's own error handlers log "Exception:" with a full traceback for every unknown model (404), model
+    or server not ready (503) and bad input (400): anyone could fill the log 3 KB a request. Keep one line."""
+
+    QUIET = (InvalidInput, ModelNotFound, ModelNotReady, ServerNotReady, NotImplementedError)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, self.QUIET):
+            record.msg, record.args, record.exc_info = f"{type(exc).__name__}: {cut(str(exc), 300)}", (), None
+        return True
 
 
 async def _send_error(send: Any, status: int, message: str) -> None:
@@ -206,6 +220,7 @@ def start_model_server(
     )
     app.add_exception_handler(BadRequest, _error_response)
     app.add_exception_handler(UpstreamError, _error_response)
+    logging.getLogger("kserve").addFilter(OneLineClientErrors())  # the logger kserve.errors' handlers use
     server = kserve.ModelServer(http_port=http_port, enable_grpc=False, workers=1)
     server.dataplane = ProbeDataPlane(model_registry=server.registered_models)
     server.start(models)

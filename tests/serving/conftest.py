@@ -142,7 +142,7 @@ def transformer(predictor, feast_repo, tmp_path_factory):
         ],
         log,
     )
-    wait_ready(f"http://127.0.0.1:{port}/v1/models/{MODEL}", timeout_s=90, proc=proc)
+    wait_ready(f"http://127.0.0.1:{port}/v1/models/{MODEL}", timeout_s=300, proc=proc)
     yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "log": log}
     stop(proc)
 

@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
 
     threading.Thread(target=stop_when_child_exits, daemon=True).start()
     try:
-        wait_ready(f"http://{a.host}:{pport}/v1/models/{a.model_name}", proc=child)
+        # a long limit: the wait ends as soon as the child dies, and a busy machine loads the model slowly
+        wait_ready(f"http://{a.host}:{pport}/v1/models/{a.model_name}", timeout_s=600, proc=child)
         log.info("predictor ready on %s:%d; starting the transformer on %s:%d", a.host, pport, a.host, a.port)
         a.predictor_host = f"{a.host}:{pport}"
         serve_transformer(a, cfg)

@@ -78,6 +78,7 @@ def build_feast_repo(ml_slice: dict, root: Path) -> Path:
     from feast.types import Array, Int64, String
     from feast.value_type import ValueType
 
+    root.mkdir(parents=True, exist_ok=True)
     (root / "feature_store.yaml").write_text(
         "project: gr2\nprovider: local\nregistry: registry.db\n"
         "online_store: {type: sqlite, path: online.db}\noffline_store: {type: file}\n"

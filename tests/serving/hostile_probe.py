@@ -281,9 +281,14 @@ def main(argv: list[str] | None = None) -> None:
         try:
             wait_ready(f"{url}/v1/models/{MODEL}", timeout_s=600, proc=proc)
             rows = probe(url, port, sl, a.body_timeout_s)
+            Path(f"{a.out}.partial.json").write_text(json.dumps(rows, indent=2) + "\n")  # before the shutdown
         finally:
             proc.terminate()
-            proc.wait(timeout=30)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             log.close()
         log_text = (tmp / "server.log").read_text(errors="replace")
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=code, capture_output=True, text=True)
@@ -296,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     Path(f"{a.out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     Path(f"{a.out}.md").write_text(markdown(rows, meta))
+    Path(f"{a.out}.partial.json").unlink(missing_ok=True)
     print(markdown(rows, meta))
     print(meta)
 

@@ -20,7 +20,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from components._lib.paths import REPO_ROOT
+from components._lib.paths import REPO_ROOT, repo_relative
 from components._lib.report_io import table_markdown
 
 
@@ -62,7 +62,9 @@ def _smoke_markdown(s: dict) -> str:
     return (
         f"\n## Local serving check\n\nModel `{Path(s['model_uri']).parent.parent.name}` {verdict}, behind the Feast "
         f"transformer on {s['url']}: {s['ok']}/{s['requests']} v1 requests answered 200 ({s['valid']} valid "
-        f"outputs, {s['with_history']} with history read from the online store, p50 {s['p50_ms']} ms); v2 "
+        f"outputs, {s['with_history']} with history read from the online store, p50 {s['p50_ms']} ms); "
+        f"{s.get('reordered')}/{s['ok']} rankings differ from the input order, and {s.get('same_top1_reversed')} "
+        f"keep their top-1 when the candidates are sent reversed; v2 "
         f"{s['v2_status']}; malformed JSON {s['malformed_status']}, next request {s['status_after_malformed']}.\n"
     )
 
@@ -132,7 +134,8 @@ def run_local(
         if benchmark_dir:
             bench = Path(benchmark_dir)
             bench.mkdir(parents=True, exist_ok=True)
-            shutil.copy(run_dir / "report.json", bench / f"{label}.json")
+            bench_report = repo_relative(json.loads((run_dir / "report.json").read_text()))
+            (bench / f"{label}.json").write_text(json.dumps(bench_report, indent=1) + "\n")
             md = (run_dir / "report.md").read_text()
             for name in report.get("plots", []):
                 shutil.copy(run_dir / name, bench / f"{label}_{name}")

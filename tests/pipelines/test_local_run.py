@@ -27,6 +27,7 @@ def test_local_run_writes_report(tmp_path):
         ("floor", None),
         ("popularity", None),
         ("ltr", None),
+        ("teacher", None),
         ("ar_sft", None),
         ("ar", None),
         ("ar_no_trace", None),
@@ -40,7 +41,7 @@ def test_local_run_writes_report(tmp_path):
     for r in rep["rows"]:
         assert 0 <= r["recall@1"] <= r["recall@3"] <= r["recall@5"] <= 1
         assert 0 <= r["validity"] <= 1 and (
-            r["validity"] == 1.0 or r["model"] not in ("floor", "popularity", "ltr")
+            r["validity"] == 1.0 or r["model"] not in ("floor", "popularity", "ltr", "teacher")
         )
     assert {(s["model"], s["batch"]) for s in rep["speed"]} >= {
         ("ar", 1),
@@ -69,6 +70,11 @@ def test_local_run_writes_report(tmp_path):
     s = rep["serving_smoke"]
     assert s["requests"] > 0 and s["ok"] == s["requests"] and s["with_history"] >= 1
     assert s["v2_status"] == 200 and 400 <= s["malformed_status"] < 500 and s["status_after_malformed"] == 200
+    assert (
+        s["reversed_status"] == 200
+        and 0 <= s["same_top1_reversed"] <= s["ok"]
+        and 0 <= s["reordered"] <= s["ok"]
+    )
     assert s["example"]["model"] == "rl" and s["gate_passed"] == rep["gate"]["passed"]
     assert "## Local serving check" in (tmp_path / "smoke" / "report.md").read_text()
     # A model card per evaluated model beside the report, linked from it.

@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
         str(a.body_timeout_s),
         *(["--enable_model_control"] if a.enable_model_control else []),
     ]
+    # a SIGTERM before the transformer's server takes over the signal must still run the `finally` below
+    # (Python's default action would exit at once and orphan the predictor child)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     child = subprocess.Popen(child_args)
     stopping = threading.Event()
 
@@ -207,7 +210,11 @@ def main(argv: list[str] | None = None) -> None:
         died = child.poll() is not None
         stopping.set()
         child.terminate()
-        child.wait(timeout=10)
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
     if died:
         sys.exit(f"the predictor exited with {child.returncode}")
 

@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_ready(f"{url}/v1/models/{MODEL}", timeout_s=600, proc=proc)
+            wait_ready(f"{url}/v1/models/{MODEL}", timeout_s=1800, proc=proc)
             rows = probe(url, port, sl, a.body_timeout_s)
             Path(f"{a.out}.partial.json").write_text(json.dumps(rows, indent=2) + "\n")  # before the shutdown
         finally:

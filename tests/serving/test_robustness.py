@@ -415,6 +415,30 @@ def test_serve_local_stops_when_its_predictor_child_dies(model_dir, tmp_path):
         feast.stop()
 
 
+def test_serve_local_stopped_while_its_predictor_loads_takes_the_child_down(model_dir, tmp_path):
+    """SIGTERM before the transformer starts (it waits for the predictor child): no orphaned predictor."""
+    feast = FakeUpstream(feast_answer)
+    port = free_port()
+    proc = start(
+        ["--model_uri", str(model_dir), "--feast_url", f"http://127.0.0.1:{feast.port}", "--port", str(port)],
+        tmp_path / "all.log",
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (kids := psutil.Process(proc.pid).children()) and time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "all.log").read_text()[-2000:]
+            time.sleep(0.05)
+        (child,) = kids
+        proc.send_signal(
+            signal.SIGTERM
+        )  # the child is still loading the model: the transformer has not started
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        child.wait(timeout=60)  # psutil raises TimeoutExpired while the child still runs
+    finally:
+        stop(proc)
+        feast.stop()
+
+
 def test_rollout_promotes_the_attempt_it_smoke_tested(model_dir, tmp_path):
     store = ArtifactStore(LocalBackend(tmp_path / "store"))
     other = tmp_path / "other"

@@ -23,6 +23,7 @@ from kserve.protocol.dataplane import DataPlane
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from serving import metrics
 from serving.schema import BadRequest, ServeConfig, UpstreamError, cut, shown, validate_body
 
 log = logging.getLogger("serving.edge")
@@ -63,6 +64,7 @@ class OneLineClientErrors(logging.Filter):
 
 
 async def _send_error(send: Any, status: int, message: str) -> None:
+    metrics.observe_rejected(status)
     body = json.dumps({"error": message}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -24,9 +24,18 @@ from typing import Any
 import kserve
 from kserve.protocol.infer_type import InferRequest, InferResponse
 
-from gr2.inference import Reranker, load_reranker
+from gr2.inference import DECODERS, Reranker, load_reranker
+from serving import metrics
 from serving.batcher import MicroBatcher
-from serving.schema import Request, ServeConfig, format_result, parse_instance, reply, request_instances
+from serving.schema import (
+    BadRequest,
+    Request,
+    ServeConfig,
+    format_result,
+    parse_instance,
+    reply,
+    request_instances,
+)
 
 
 def fetch_model_dir(uri: str, cache_dir: str | Path | None = None) -> Path:
@@ -98,6 +107,13 @@ class RerankPredictor(kserve.Model):
             parse_instance(raw, f"{request.where}[{i}]", self.reranker, self.cfg, request.options)
             for i, raw in enumerate(request.instances)
         ]
+        # The decoders this model can run: e.g. "spec" needs a model that carries its verifier.
+        can = getattr(self.reranker, "decoders", DECODERS)
+        for i, (_, opts, _) in enumerate(parsed):
+            if opts.decoder not in can:
+                raise BadRequest(
+                    f"{request.where}[{i}].decoder: {opts.decoder!r} is not available for this model ({list(can)})"
+                )
         timed = await asyncio.gather(*(self.batcher.submit(req, o.decoder, o.tau) for req, o, _ in parsed))
         total = (time.perf_counter() - t0) * 1000
         return [
@@ -120,6 +136,7 @@ class RerankPredictor(kserve.Model):
         # our own parser validates (and names fields consistently for v1 and v2); skip kserve's shallow check
         return payload
 
+    @metrics.instrument_predict  # requests by status and decoder, latency, validity, tokens per forward
     async def predict(
         self, payload: dict | InferRequest | bytes, headers: dict[str, str] | None = None
     ) -> dict | InferResponse:

@@ -2,6 +2,7 @@
 
 An instance: {"user_id": str, "candidates": [str, ...], "history"?: [str, ...], "decoder"?: "diffusion"|"ar",
 "tau"?: float, "trace"?: bool}. Request-level defaults for decoder/tau/trace go in "parameters".
+"decoder" may also be "spec" (lossless speculative decoding) for a model that carries its verifier.
 
 One validator for the whole request, run with the same code twice: at the servers' edge on the raw body
 (`validate_body`, from serving/modelserver.py: before kserve decodes the body and before the transformer looks
@@ -365,7 +366,7 @@ def format_result(
         "n_tokens": res.n_tokens,
         "model": model,
         "decoder": opts.decoder,
-        "tau": opts.tau if opts.decoder == "diffusion" else None,
+        "tau": None if opts.decoder == "ar" else opts.tau,  # spec: the draft's tau
         "timing_ms": timing,
         **extra,
     }

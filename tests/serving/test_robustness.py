@@ -4,7 +4,7 @@
   4xx naming the field, keep-alive connections surviving a 1,000-level JSON, one log line per rejection.
 - `edge`: a transformer whose predictor and Feast feature server are stand-ins in this process, so a test can
   freeze them, break them or take them down: 502 / 503 / 504, readiness, slow bodies, model control on.
-- `serve_local --role all` stopping when its predictor child dies; the rollout promoting what it smoke-tested.
+- `serve_local --role all` stopping when its predictor child dies; the rollout promoting what its canary served.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from components.artifact_store import ArtifactStore, LocalBackend
-from serving.rollout import rollout
+from serving.rollout import Plan, promote, rollout
 from serving.schema import ServeConfig
 from serving.serve_local import free_port, wait_ready
 from serving.transformer import FeastTransformer, TransformerConfig
@@ -440,6 +440,8 @@ def test_serve_local_stopped_while_its_predictor_loads_takes_the_child_down(mode
 
 
 def test_rollout_promotes_the_attempt_it_smoke_tested(model_dir, tmp_path):
+    """The canary serves one upload; a re-upload of the same run and stage meanwhile is not what gets promoted
+    (serving/rollout.py `promote`, which the canary analysis calls)."""
     store = ArtifactStore(LocalBackend(tmp_path / "store"))
     other = tmp_path / "other"
     other.mkdir()
@@ -449,6 +451,7 @@ def test_rollout_promotes_the_attempt_it_smoke_tested(model_dir, tmp_path):
         store.upload("run5", "model", other)  # published while the canary is being tested
         return True, "HTTP 200"
 
+    kube = FakeKube("http://canary")
     plan = rollout(
         model_dir,
         "run5",
@@ -459,12 +462,15 @@ def test_rollout_promotes_the_attempt_it_smoke_tested(model_dir, tmp_path):
         tmp_path / "out",
         {},
         dry_run=False,
-        kube=FakeKube("http://canary"),
+        kube=kube,
         poll_s=0,
         smoke=smoke_while_someone_reuploads,
     )
-    assert plan.outcome == "promoted"
+    assert plan.outcome == "canary", plan.actions
+    assert Plan.read(tmp_path / "out").attempt == plan.attempt  # what a later analysis step reads
+    (isvc,) = [d for d in kube.applied if d["kind"] == "InferenceService"]
+    pointer = promote(kube, isvc, store, Plan.read(tmp_path / "out"))
     assert store.manifest("run5", "model").uri != plan.storage_uri  # the re-upload is the published one
-    assert store.production()["uri"] == plan.storage_uri
+    assert pointer["uri"] == plan.storage_uri == store.production()["uri"]
     out = store.download_production(tmp_path / "dl")
     assert (out / "reranker.json").read_text() == (model_dir / "reranker.json").read_text()

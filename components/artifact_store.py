@@ -2,15 +2,20 @@
 
 Layout (keys relative to the store root, `<prefix>` = GR2_S3_PREFIX or "reranker"):
 
-    <prefix>/<run_id>/<stage>/<attempt>/...        the uploaded files of one upload attempt
-    <prefix>/<run_id>/<stage>/manifest.json        written LAST: names the complete attempt + file hashes
-    <prefix>/production.json                       the production pointer; only `promote()` writes it
+    <prefix>/<run_id>/<stage>/<attempt>/...              the uploaded files of one upload attempt
+    <prefix>/<run_id>/<stage>/manifests/<attempt>.json   that attempt's manifest (file hashes), never rewritten
+    <prefix>/<run_id>/<stage>/manifest.json              written LAST: publishes the newest complete attempt
+    <prefix>/production.json                             the production pointer; only `promote()` writes it
 
 Atomic from a reader's view without renames (S3 has none): every upload goes to a fresh `<attempt>`
-sub-prefix, and a single PUT of `manifest.json` publishes it. Readers only trust the manifest, download
+sub-prefix, and a single PUT of `manifest.json` publishes it. Readers only trust a manifest, download
 exactly the files it lists and verify their sha256, so a crash mid-upload leaves orphan objects under an
-unpublished attempt while readers keep seeing the previous complete version. The production pointer is
-likewise one PUT, written only by an explicit `promote()` of a stage whose manifest is complete.
+unpublished attempt while readers keep seeing the previous complete version.
+
+The production pointer pins one immutable attempt: (run_id, stage, attempt) and the sha256 of that attempt's
+manifest. `promote()` writes it (one PUT) for the attempt it is given (the one a canary smoke-tested), after
+checking that every file of it is present with its hash; `download_production()` then serves exactly that
+attempt, whatever was uploaded since. Paths in a manifest cannot leave the download folder.
 
 Configuration (params override env): S3_ENDPOINT_URL (MinIO / moto / any S3), GR2_S3_BUCKET (setting it
 selects S3), GR2_S3_PREFIX; GR2_ARTIFACT_ROOT for the local backend (default `runs/artifacts`).
@@ -22,6 +27,7 @@ import datetime as dt
 import hashlib
 import json
 import os
+import tempfile
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +36,7 @@ from typing import Any, Protocol
 from gr2.files import sha256_file
 
 MANIFEST = "manifest.json"
+ATTEMPT_MANIFESTS = "manifests"  # <run_id>/<stage>/manifests/<attempt>.json
 POINTER = "production.json"
 DEFAULT_PREFIX = "reranker"
 DEFAULT_LOCAL_ROOT = "runs/artifacts"
@@ -129,11 +136,24 @@ class Manifest:
     def to_json(self) -> bytes:
         return (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode()
 
+    def sha256(self) -> str:
+        """The content hash that identifies this attempt (its files' hashes included)."""
+        return hashlib.sha256(self.to_json()).hexdigest()
+
 
 def _check_name(what: str, value: str) -> None:
     # run ids and stage names become key segments: no separators, no hidden/relative names
     if not value or "/" in value or value.startswith(".") or value != value.strip():
         raise ValueError(f"{what} {value!r}: must be a non-empty key segment without '/' or a leading '.'")
+
+
+def _check_relpath(rel: str, where: str) -> None:
+    # a manifest's file paths become keys and paths under the download folder: none may climb out of it
+    parts = rel.split("/")
+    if rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts):
+        raise ArtifactError(
+            f"{where}: file path {rel!r} is not a plain relative path (it could leave the folder)"
+        )
 
 
 class ArtifactStore:
@@ -188,26 +208,34 @@ class ArtifactStore:
             created_at=dt.datetime.now(dt.UTC).isoformat(),
             metadata=dict(metadata or {}),
         )
-        self.backend.put_bytes(self._key(run_id, stage, MANIFEST), manifest.to_json())  # publish
+        data = manifest.to_json()
+        self.backend.put_bytes(self._key(run_id, stage, ATTEMPT_MANIFESTS, f"{attempt}.json"), data)
+        self.backend.put_bytes(self._key(run_id, stage, MANIFEST), data)  # publish
         return manifest
 
-    def promote(self, run_id: str, stage: str, record: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Point `production` at a complete (run_id, stage). The only writer of the pointer.
+    def promote(
+        self, run_id: str, stage: str, record: dict[str, Any] | None = None, attempt: str | None = None
+    ) -> dict[str, Any]:
+        """Point `production` at one attempt of (run_id, stage): `attempt` (pass the one that was tested), or
+        the published one. The only writer of the pointer.
 
-        `record` carries what the next gate compares against (model name, recall@1, ...).
+        Refuses an attempt whose files are missing or differ from its manifest. The pointer pins the attempt by
+        its manifest's sha256; `record` carries what the next gate compares against (model, recall@1, ...).
         """
-        m = self.manifest(run_id, stage)
+        m = self.manifest(run_id, stage) if attempt is None else self.attempt_manifest(run_id, stage, attempt)
         if m is None:
-            raise ArtifactError(
-                f"{self.backend.uri(self._key(run_id, stage))}: no complete upload to promote"
-            )
+            what = self._key(run_id, stage) if attempt is None else self._key(run_id, stage, attempt)
+            raise ArtifactError(f"{self.backend.uri(what)}: no complete upload to promote")
+        with tempfile.TemporaryDirectory(prefix="gr2-promote-") as tmp:
+            self._fetch(m, tmp)  # every listed file present, with its hash
         pointer = {
+            **(record or {}),
             "run_id": run_id,
             "stage": stage,
             "attempt": m.attempt,
             "uri": m.uri,
+            "manifest_sha256": m.sha256(),
             "promoted_at": dt.datetime.now(dt.UTC).isoformat(),
-            **(record or {}),
         }
         self.backend.put_bytes(
             self._key(POINTER), (json.dumps(pointer, indent=2, sort_keys=True) + "\n").encode()
@@ -215,31 +243,41 @@ class ArtifactStore:
         return pointer
 
     # --- reads --------------------------------------------------------------------------------
-    def manifest(self, run_id: str, stage: str) -> Manifest | None:
-        raw = self.backend.get_bytes(self._key(run_id, stage, MANIFEST))
+    def _read_manifest(self, key: str) -> Manifest | None:
+        raw = self.backend.get_bytes(key)
         if raw is None:
             return None
         try:
             return Manifest(**json.loads(raw))
         except (json.JSONDecodeError, TypeError) as e:
-            raise ArtifactError(
-                f"{self.backend.uri(self._key(run_id, stage, MANIFEST))}: corrupt ({e})"
-            ) from e
+            raise ArtifactError(f"{self.backend.uri(key)}: corrupt ({e})") from e
+
+    def manifest(self, run_id: str, stage: str) -> Manifest | None:
+        """The published (newest complete) attempt of (run_id, stage)."""
+        return self._read_manifest(self._key(run_id, stage, MANIFEST))
+
+    def attempt_manifest(self, run_id: str, stage: str, attempt: str) -> Manifest | None:
+        """The manifest of one attempt, published or not."""
+        _check_name("attempt", attempt)
+        m = self._read_manifest(self._key(run_id, stage, ATTEMPT_MANIFESTS, f"{attempt}.json"))
+        if m is None:  # uploaded before per-attempt manifests: only the published one names it
+            published = self.manifest(run_id, stage)
+            m = published if published is not None and published.attempt == attempt else None
+        return m
 
     def production(self) -> dict[str, Any] | None:
         """The production record, or None when nothing was promoted yet."""
         raw = self.backend.get_bytes(self._key(POINTER))
         return None if raw is None else json.loads(raw)
 
-    def download(self, run_id: str, stage: str, dest: str | Path) -> Path:
-        """Download the published attempt of (run_id, stage) into `dest`, verifying every file's sha256."""
-        m = self.manifest(run_id, stage)
-        if m is None:
-            raise ArtifactError(
-                f"{self.backend.uri(self._key(run_id, stage))}: no complete upload (no manifest)"
-            )
+    def _fetch(self, m: Manifest, dest: str | Path) -> Path:
+        """Download exactly the files `m` lists into `dest`, verifying every file's sha256."""
+        for what, name in (("run_id", m.run_id), ("stage", m.stage), ("attempt", m.attempt)):
+            _check_name(what, name)
+        base = self._key(m.run_id, m.stage, m.attempt)
+        for rel in m.files:
+            _check_relpath(rel, self.backend.uri(base))
         dest = Path(dest)
-        base = self._key(run_id, stage, m.attempt)
         for rel, info in m.files.items():
             out = dest / rel
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -248,11 +286,32 @@ class ArtifactStore:
                 raise ArtifactError(f"{self.backend.uri(f'{base}/{rel}')}: sha256 mismatch with the manifest")
         return dest
 
+    def download(self, run_id: str, stage: str, dest: str | Path) -> Path:
+        """Download the published attempt of (run_id, stage) into `dest`, verifying every file's sha256."""
+        m = self.manifest(run_id, stage)
+        if m is None:
+            raise ArtifactError(
+                f"{self.backend.uri(self._key(run_id, stage))}: no complete upload (no manifest)"
+            )
+        return self._fetch(m, dest)
+
     def download_production(self, dest: str | Path) -> Path:
+        """Download exactly the attempt the production pointer pins (not the newest upload of its stage)."""
         p = self.production()
+        where = self.backend.uri(self._key(POINTER))
         if p is None:
-            raise ArtifactError(f"{self.backend.uri(self._key(POINTER))}: nothing in production")
-        return self.download(p["run_id"], p["stage"], dest)
+            raise ArtifactError(f"{where}: nothing in production")
+        if "manifest_sha256" not in p:
+            raise ArtifactError(
+                f"{where}: the pointer pins no attempt hash (written before pinning); promote again"
+            )
+        m = self.attempt_manifest(p["run_id"], p["stage"], p["attempt"])
+        if m is None or m.sha256() != p["manifest_sha256"]:
+            raise ArtifactError(
+                f"{where}: attempt {p['run_id']}/{p['stage']}/{p['attempt']} is "
+                + ("missing" if m is None else "not the one promoted (its manifest hash changed)")
+            )
+        return self._fetch(m, dest)
 
     def report(self, run_id: str, stage: str) -> dict[str, Any] | None:
         m = self.manifest(run_id, stage)

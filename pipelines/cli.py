@@ -258,6 +258,10 @@ def promote(
         ..., help="the run whose model the canary served (see the deploy plan's storage_uri)"
     ),
     stage: str = typer.Option("cft", help="the uploaded stage"),
+    attempt: str = typer.Option(
+        "",
+        help="the upload attempt the canary served (the last segment of the plan's storage_uri); default: the published one",
+    ),
     bucket: str = typer.Option("", envvar="GR2_S3_BUCKET", help="S3 bucket (default: the local store)"),
     prefix: str = typer.Option(None, envvar="GR2_S3_PREFIX"),
     endpoint_url: str = typer.Option("", envvar="S3_ENDPOINT_URL"),
@@ -267,12 +271,13 @@ def promote(
     from components.artifact_store import ArtifactError, open_store
 
     store = open_store(bucket or None, prefix, endpoint_url or None, local_root or None)
-    m = store.manifest(run_id, stage)
+    m = store.attempt_manifest(run_id, stage, attempt) if attempt else store.manifest(run_id, stage)
     if m is None:
-        typer.echo(f"error: no complete upload of {run_id}/{stage} in the store", err=True)
+        typer.echo(f"error: no complete upload of {run_id}/{stage} {attempt} in the store", err=True)
         raise typer.Exit(2)
     try:
-        _echo(store.promote(run_id, stage, m.metadata))  # the record deploy stored: model, recall@1, ndcg@5
+        # the record deploy stored (model, recall@1, ndcg@5), for exactly this attempt
+        _echo(store.promote(run_id, stage, m.metadata, attempt=m.attempt))
     except ArtifactError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

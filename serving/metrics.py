@@ -27,6 +27,7 @@ from kserve.errors import InvalidInput
 from prometheus_client import Counter, Histogram
 
 from gr2.inference import DECODERS
+from serving.schema import BadRequest
 
 REQUESTS = Counter("gr2_requests", "Predict requests by HTTP status and decoder", ["status", "decoder"])
 LATENCY = Histogram(
@@ -84,16 +85,18 @@ def observe_request(status: str, predictions: list[dict[str, Any]], seconds: flo
 
 
 def instrument_predict(predict: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """Decorate a kserve.Model `predict`: status (InvalidInput = 400, any other error = 500), latency and
-    what each answered prediction says (decoder, valid / fallback, tokens per forward)."""
+    """Decorate a kserve.Model `predict`: status (InvalidInput = 400, BadRequest its 4xx, any other error = 500),
+    latency and what each answered prediction says (decoder, valid / fallback, tokens per forward)."""
 
     @functools.wraps(predict)
     async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
             result = await predict(self, *args, **kwargs)
-        except InvalidInput:
-            observe_request("400", [], time.perf_counter() - t0)
+        except (InvalidInput, BadRequest) as e:  # the client's input: 400 (or the BadRequest's 4xx)
+            observe_request(
+                str(e.status) if isinstance(e, BadRequest) else "400", [], time.perf_counter() - t0
+            )
             raise
         except Exception:
             observe_request("500", [], time.perf_counter() - t0)

@@ -15,29 +15,26 @@ KServe storage initializer has already copied `storageUri` to /mnt/models. Decod
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import kserve
-from kserve.errors import InvalidInput
-from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
+from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from gr2.inference import DECODERS, Reranker, load_reranker
 from serving import metrics
 from serving.batcher import MicroBatcher
 from serving.schema import (
     BadRequest,
+    Request,
     ServeConfig,
     format_result,
     parse_instance,
-    parse_options,
-    v1_body,
-    v2_instances,
+    reply,
+    request_instances,
 )
 
 
@@ -98,22 +95,24 @@ class RerankPredictor(kserve.Model):
         self.ready = True
         return self.ready
 
-    async def rank_instances(
-        self, instances: list[Any], params: dict[str, Any], where: str
-    ) -> list[dict[str, Any]]:
-        """Validate every instance first (all-or-nothing), then decode them concurrently via the batcher."""
+    async def healthy(self) -> bool:
+        # ready = a model is loaded and its batcher runs (kserve's default only reads the flag)
+        return self.ready and self.reranker is not None and self.batcher is not None
+
+    async def rank_instances(self, request: Request) -> list[dict[str, Any]]:
+        """Validate every instance for the model first (all-or-nothing), then decode them concurrently via the
+        batcher."""
         t0 = time.perf_counter()
-        base = parse_options(params, "parameters", self.cfg)
         parsed = [
-            parse_instance(raw, f"{where}[{i}]", self.reranker, self.cfg, base)
-            for i, raw in enumerate(instances)
+            parse_instance(raw, f"{request.where}[{i}]", self.reranker, self.cfg, request.options)
+            for i, raw in enumerate(request.instances)
         ]
         # The decoders this model can run: e.g. "spec" needs a model that carries its verifier.
         can = getattr(self.reranker, "decoders", DECODERS)
         for i, (_, opts, _) in enumerate(parsed):
             if opts.decoder not in can:
                 raise BadRequest(
-                    f"{where}[{i}].decoder: {opts.decoder!r} is not available for this model ({list(can)})"
+                    f"{request.where}[{i}].decoder: {opts.decoder!r} is not available for this model ({list(can)})"
                 )
         timed = await asyncio.gather(*(self.batcher.submit(req, o.decoder, o.tau) for req, o, _ in parsed))
         total = (time.perf_counter() - t0) * 1000
@@ -141,19 +140,6 @@ class RerankPredictor(kserve.Model):
     async def predict(
         self, payload: dict | InferRequest | bytes, headers: dict[str, str] | None = None
     ) -> dict | InferResponse:
-        try:
-            if isinstance(payload, InferRequest):
-                instances, params = v2_instances(payload, self.cfg)
-                preds = await self.rank_instances(instances, params, "inputs[0].data")
-                data = [json.dumps(p) for p in preds]
-                return InferResponse(
-                    model_name=self.name,
-                    infer_outputs=[
-                        InferOutput(name="predictions", shape=[len(data)], datatype="BYTES", data=data)
-                    ],
-                    response_id=payload.id or str(uuid.uuid4()),  # kserve 500s on a None id (STACK.md §3)
-                )
-            instances, params = v1_body(payload, self.cfg)
-            return {"predictions": await self.rank_instances(instances, params, "instances")}
-        except BadRequest as e:
-            raise InvalidInput(str(e)) from e
+        # a BadRequest propagates: serving/modelserver.py answers it with its status and one log line
+        request = request_instances(payload, self.cfg)
+        return reply(payload, self.name, await self.rank_instances(request))

@@ -190,6 +190,7 @@ class Plan:
     dry_run: bool
     run_id: str = ""
     stage: str = ""
+    attempt: str = ""  # the upload the canary serves: promote pins exactly it
     record: dict[str, Any] = field(default_factory=dict)  # the production record `promote` writes
     target: dict[str, str] = field(default_factory=dict)  # the InferenceService: name, namespace
     actions: list[dict[str, Any]] = field(default_factory=list)
@@ -221,7 +222,8 @@ def set_traffic(kube: Kube, isvc: dict[str, Any], canary_percent: int) -> dict[s
 def promote(kube: Kube, isvc: dict[str, Any], store: Any, plan: Plan) -> dict[str, Any]:
     """All traffic to the new revision, then the production pointer (the only place the rollout writes it)."""
     set_traffic(kube, isvc, -1)
-    pointer = store.promote(plan.run_id, plan.stage, plan.record)
+    # the attempt the canary served, not whatever was uploaded for (run, stage) since
+    pointer = store.promote(plan.run_id, plan.stage, plan.record, attempt=plan.attempt or None)
     plan.log("promote", pointer=pointer)
     plan.outcome = "promoted"
     return pointer
@@ -264,6 +266,7 @@ def rollout(
         dry_run=dry_run,
         run_id=run_id,
         stage=stage,
+        attempt=manifest.attempt,
         record=record,
     )
     plan.log("upload", uri=manifest.uri, files=len(manifest.files))

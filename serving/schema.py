@@ -3,25 +3,52 @@
 An instance: {"user_id": str, "candidates": [str, ...], "history"?: [str, ...], "decoder"?: "diffusion"|"ar",
 "tau"?: float, "trace"?: bool}. Request-level defaults for decoder/tau/trace go in "parameters".
 "decoder" may also be "spec" (lossless speculative decoding) for a model that carries its verifier.
-Every problem raises `BadRequest` with a message that starts with the offending field's path
-(`instances[2].candidates[4]: unknown item id 'x'`), which the server turns into a 400.
+
+One validator for the whole request, run with the same code twice: at the servers' edge on the raw body
+(`validate_body`, from serving/modelserver.py: before kserve decodes the body and before the transformer looks
+anything up in Feast), and by each model on the payload kserve decoded (`request_instances`); the predictor
+then adds what only the model knows (`parse_instance`: its candidate count and catalogue). Every problem
+raises `BadRequest` with a 4xx status and a message that starts with the offending field's path
+(`instances[2].candidates[4]: unknown item id 'x'`); client values are echoed cut short (`shown`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
+import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gr2.inference import DECODERS, RankRequest, RankResult, Reranker
 
 INSTANCE_KEYS = {"user_id", "candidates", "history", "decoder", "tau", "trace"}
 OPTION_KEYS = {"decoder", "tau", "trace"}
+V1_KEYS = {"instances", "parameters"}
+V2_KEYS = {"id", "inputs", "outputs", "parameters"}
+V2_INPUT_KEYS = {"name", "shape", "datatype", "data", "parameters"}
+V2_INPUT_PARAMETERS = {"content_type"}  # what kserve's own client may put on a BYTES input
+OUTPUT = "predictions"
+
+if TYPE_CHECKING:
+    from kserve.protocol.infer_type import InferResponse
 
 
 class BadRequest(ValueError):
-    """Invalid client input; the message names the field."""
+    """Invalid client input; the message names the field. `status`: 400, or 413/415 for the body as a whole."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class UpstreamError(RuntimeError):
+    """The predictor or the feature store failed (502 bad answer, 503 unreachable, 504 no answer in time)."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -31,15 +58,27 @@ class ServeConfig:
     # request at once, and requests that arrive while a batch decodes form the next batch (serving/batcher.py).
     max_wait_ms: float = 0.0
     max_instances: int = 64  # instances per HTTP request
-    max_body_bytes: int = 256 * 1024  # larger payloads get 413
+    max_body_bytes: int = 256 * 1024  # larger client payloads get 413
+    body_timeout_s: float = 10.0  # a body not fully received by then gets 408 (slow or half-sent bodies)
+    max_depth: int = 8  # JSON nesting; a valid request needs 4 (body, instances, instance, candidates)
     min_candidates: int = 2  # fewer is not a ranking problem
+    # Edge cap per instance, before any feature lookup; the predictor then holds a list to its model's N.
+    max_candidates: int = 100
     max_history: int = 1000  # hard cap on a client-sent history (the model itself reads the last H)
+    # The transformer forwards at most the newest this-many ids of a Feast history (the models read H = 20).
+    max_filled_history: int = 100
     max_id_len: int = 256
     decoders: tuple[str, ...] = DECODERS
     default_decoder: str = "diffusion"
     default_tau: float = 0.9
     min_tau: float = 0.05  # tau bounds: below this the diffusion decoder degenerates to one token per step
     max_tau: float = 1.0
+
+    def forwarded_body_bytes(self) -> int:
+        """The predictor's body limit: a client's max_body_bytes plus the histories the transformer adds from
+        Feast (max_filled_history ids of at most max_id_len bytes, quoted, per instance). So a request the
+        client sent within the limit is never refused for bytes the transformer added."""
+        return self.max_body_bytes + self.max_instances * self.max_filled_history * (self.max_id_len + 3)
 
 
 @dataclass(frozen=True)
@@ -49,15 +88,51 @@ class Options:
     trace: bool
 
 
-def _is_str_list(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(v, str) for v in x)
+def cut(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters: a hostile 200 KB value is never echoed whole (reply or log)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
-def parse_json(body: bytes | str, where: str = "body") -> Any:
+def shown(value: Any, limit: int = 40) -> str:
+    """repr(value), cut to `limit` characters."""
+    return cut(repr(value), limit)
+
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """Deepest bracket nesting of a JSON text, found without parsing it (parsers recurse per level)."""
+    depth = deepest = 0
+    for m in _BRACKET.finditer(_STRING.sub("", text)):
+        depth += 1 if m.group() in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def parse_json(body: bytes | str, where: str, cfg: ServeConfig) -> Any:
+    """JSON within the depth limit. NaN, Infinity and 1e999 parse to floats that the field checks refuse."""
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = body.decode("utf-8") if isinstance(body, bytes) else body
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"{where}: not UTF-8 ({e})") from e
+    if not text.strip():
+        raise BadRequest(f"{where}: empty; expected JSON")
+    depth = json_depth(text)
+    if depth > cfg.max_depth:
+        raise BadRequest(f"{where}: JSON nested {depth} levels deep (the limit is {cfg.max_depth})")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
         raise BadRequest(f"{where}: malformed JSON ({e})") from e
+
+
+def check_keys(raw: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(raw) - allowed, key=str)
+    if unknown:
+        field = cut(f"{where}.{unknown[0]}" if where else str(unknown[0]), 80)
+        raise BadRequest(f"{field}: unknown field (allowed: {sorted(allowed)})")
 
 
 def parse_options(raw: dict[str, Any], where: str, cfg: ServeConfig, base: Options | None = None) -> Options:
@@ -65,64 +140,78 @@ def parse_options(raw: dict[str, Any], where: str, cfg: ServeConfig, base: Optio
     base = base or Options(cfg.default_decoder, cfg.default_tau, False)
     decoder = raw.get("decoder", base.decoder)
     if not isinstance(decoder, str) or decoder not in cfg.decoders:
-        raise BadRequest(f"{where}.decoder: must be one of {list(cfg.decoders)}, got {decoder!r}")
+        raise BadRequest(f"{where}.decoder: must be one of {list(cfg.decoders)}, got {shown(decoder)}")
     tau = raw.get("tau", base.tau)
     if isinstance(tau, bool) or not isinstance(tau, int | float) or not math.isfinite(tau):
-        raise BadRequest(f"{where}.tau: must be a number, got {tau!r}")
+        raise BadRequest(f"{where}.tau: must be a finite number, got {shown(tau)}")
     if not cfg.min_tau <= tau <= cfg.max_tau:
-        raise BadRequest(f"{where}.tau: must be within [{cfg.min_tau}, {cfg.max_tau}], got {tau}")
+        raise BadRequest(f"{where}.tau: must be within [{cfg.min_tau}, {cfg.max_tau}], got {shown(tau)}")
     trace = raw.get("trace", base.trace)
     if not isinstance(trace, bool):
-        raise BadRequest(f"{where}.trace: must be true or false, got {trace!r}")
+        raise BadRequest(f"{where}.trace: must be true or false, got {shown(trace)}")
     return Options(decoder, float(tau), trace)
+
+
+def check_id(value: Any, where: str, cfg: ServeConfig) -> str:
+    if not isinstance(value, str) or not value or len(value) > cfg.max_id_len:
+        raise BadRequest(
+            f"{where}: must be a non-empty string of at most {cfg.max_id_len} chars, got {shown(value)}"
+        )
+    return value
+
+
+def check_instance(
+    raw: Any, where: str, cfg: ServeConfig, base: Options | None = None
+) -> tuple[str, list[str], list[str] | None, Options]:
+    """The model-independent checks of one instance: (user_id, candidates, history or None, options)."""
+    if not isinstance(raw, dict):
+        raise BadRequest(f"{where}: expected an object with user_id and candidates, got {type(raw).__name__}")
+    check_keys(raw, INSTANCE_KEYS, where)
+    user_id = check_id(raw.get("user_id"), f"{where}.user_id", cfg)
+    cands = raw.get("candidates")
+    if not isinstance(cands, list):
+        raise BadRequest(f"{where}.candidates: must be a list of item id strings, got {type(cands).__name__}")
+    if len(cands) < cfg.min_candidates:
+        raise BadRequest(f"{where}.candidates: too few candidates ({len(cands)} < {cfg.min_candidates})")
+    if len(cands) > cfg.max_candidates:
+        raise BadRequest(f"{where}.candidates: too many candidates ({len(cands)} > {cfg.max_candidates})")
+    seen: dict[str, int] = {}
+    for j, c in enumerate(cands):
+        check_id(c, f"{where}.candidates[{j}]", cfg)
+        if c in seen:
+            raise BadRequest(
+                f"{where}.candidates[{j}]: duplicate item id {shown(c)} (also at index {seen[c]})"
+            )
+        seen[c] = j
+    history = raw.get("history")
+    if history is not None:
+        if not isinstance(history, list) or not all(isinstance(h, str) for h in history):
+            raise BadRequest(f"{where}.history: must be a list of item id strings")
+        if len(history) > cfg.max_history:
+            raise BadRequest(f"{where}.history: too long ({len(history)} > {cfg.max_history})")
+    return user_id, cands, history, parse_options(raw, where, cfg, base)
 
 
 def parse_instance(
     raw: Any, where: str, reranker: Reranker, cfg: ServeConfig, base: Options | None = None
 ) -> tuple[RankRequest, Options, int]:
-    """Validate one instance. Returns the request, its options and how many unknown history ids were dropped.
+    """Validate one instance for `reranker`. Returns the request, its options and how many unknown history ids
+    were dropped.
 
     Unknown *candidate* ids are rejected (the model cannot rank what it cannot read); unknown *history* ids
     are dropped, because the online history legitimately contains items newer than the model's catalogue.
     """
-    if not isinstance(raw, dict):
-        raise BadRequest(f"{where}: expected an object with user_id and candidates, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - INSTANCE_KEYS)
-    if unknown:
-        raise BadRequest(f"{where}.{unknown[0]}: unknown field (allowed: {sorted(INSTANCE_KEYS)})")
-    user_id = raw.get("user_id")
-    if not isinstance(user_id, str) or not user_id or len(user_id) > cfg.max_id_len:
-        raise BadRequest(
-            f"{where}.user_id: must be a non-empty string of at most {cfg.max_id_len} chars, got {user_id!r}"
-        )
-    cands = raw.get("candidates")
-    if not isinstance(cands, list):
-        raise BadRequest(f"{where}.candidates: must be a list of item id strings, got {type(cands).__name__}")
-    lo, hi = cfg.min_candidates, reranker.n_candidates
-    if len(cands) < lo:
-        raise BadRequest(f"{where}.candidates: too few candidates ({len(cands)} < {lo})")
+    user_id, cands, history, opts = check_instance(raw, where, cfg, base)
+    hi = reranker.n_candidates
     if len(cands) > hi:
         raise BadRequest(
             f"{where}.candidates: too many candidates ({len(cands)} > {hi}, the model ranks {hi})"
         )
-    seen: dict[str, int] = {}
     for j, c in enumerate(cands):
-        if not isinstance(c, str) or not c:
-            raise BadRequest(f"{where}.candidates[{j}]: must be a non-empty string, got {c!r}")
-        if c in seen:
-            raise BadRequest(f"{where}.candidates[{j}]: duplicate item id {c!r} (also at index {seen[c]})")
-        seen[c] = j
         if not reranker.known_item(c):
-            raise BadRequest(f"{where}.candidates[{j}]: unknown item id {c!r}")
-    history = raw.get("history", [])
-    if history is None:
-        history = []
-    if not _is_str_list(history):
-        raise BadRequest(f"{where}.history: must be a list of item id strings")
-    if len(history) > cfg.max_history:
-        raise BadRequest(f"{where}.history: too long ({len(history)} > {cfg.max_history})")
+            raise BadRequest(f"{where}.candidates[{j}]: unknown item id {shown(c)}")
+    history = history or []
     known_history = [h for h in history if reranker.known_item(h)]
-    opts = parse_options(raw, where, cfg, base)
     return (
         RankRequest(user_id=user_id, candidates=list(cands), history=known_history),
         opts,
@@ -140,41 +229,123 @@ def parse_instances_list(instances: Any, where: str, cfg: ServeConfig) -> list[A
     return instances
 
 
-def v1_body(payload: Any, cfg: ServeConfig) -> tuple[list[Any], dict[str, Any]]:
-    """(instances, parameters) from a v1 body (dict, or bytes when the client sent no JSON content type)."""
-    if isinstance(payload, bytes | str):
-        payload = parse_json(payload)
+def parse_parameters(params: Any, cfg: ServeConfig) -> Options:
+    """Request-level defaults ("parameters", v1 and v2): only decoder, tau and trace."""
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise BadRequest(f"parameters: must be an object, got {type(params).__name__}")
+    check_keys(params, OPTION_KEYS, "parameters")
+    return parse_options(params, "parameters", cfg)
+
+
+def v1_body(payload: Any, cfg: ServeConfig) -> tuple[list[Any], Any]:
+    """(instances, parameters) of a v1 body: {"instances": [...], "parameters"?: {...}}."""
     if not isinstance(payload, dict):
         raise BadRequest(f"body: expected a JSON object with 'instances', got {type(payload).__name__}")
     if "instances" not in payload:
         raise BadRequest('instances: missing (body must be {"instances": [...]})')
-    params = payload.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise BadRequest("parameters: must be an object")
-    return parse_instances_list(payload["instances"], "instances", cfg), params
+    check_keys(payload, V1_KEYS, "")
+    return parse_instances_list(payload["instances"], "instances", cfg), payload.get("parameters")
 
 
-def v2_instances(infer_request: Any, cfg: ServeConfig) -> tuple[list[Any], dict[str, Any]]:
-    """Instances from a v2 InferRequest: one BYTES input whose elements are JSON instance objects."""
-    inputs = infer_request.inputs or []
-    if len(inputs) != 1:
-        raise BadRequest(
-            f"inputs: expected exactly one BYTES input holding JSON instances, got {len(inputs)}"
-        )
+def v2_body(payload: Any, cfg: ServeConfig) -> tuple[list[Any], Any]:
+    """(instances, parameters) of a v2 body: one BYTES input whose elements are JSON instance objects."""
+    if not isinstance(payload, dict):
+        raise BadRequest(f"body: expected a JSON object with 'inputs', got {type(payload).__name__}")
+    if "inputs" not in payload:
+        raise BadRequest('inputs: missing (body must be {"inputs": [one BYTES input of JSON instances]})')
+    check_keys(payload, V2_KEYS, "")
+    if payload.get("id") is not None and not isinstance(payload["id"], str):
+        raise BadRequest(f"id: must be a string, got {shown(payload['id'])}")
+    inputs = payload["inputs"]
+    if not isinstance(inputs, list) or len(inputs) != 1:
+        got = len(inputs) if isinstance(inputs, list) else type(inputs).__name__
+        raise BadRequest(f"inputs: expected exactly one BYTES input holding JSON instances, got {got}")
     inp = inputs[0]
-    if inp.datatype != "BYTES":
-        raise BadRequest(f"inputs[0].datatype: must be BYTES (JSON instances), got {inp.datatype}")
-    data = inp.data
-    if not isinstance(data, list):
-        raise BadRequest("inputs[0].data: must be a list of JSON strings")
-    out = []
-    for i, d in enumerate(parse_instances_list(data, "inputs[0].data", cfg)):
-        if isinstance(d, bytes):
-            d = d.decode("utf-8", errors="replace")
-        out.append(parse_json(d, f"inputs[0].data[{i}]") if isinstance(d, str) else d)
-    params = infer_request.parameters or {}
-    params = {k: getattr(v, "value", v) for k, v in dict(params).items() if k in OPTION_KEYS}
-    return out, params
+    if not isinstance(inp, dict):
+        raise BadRequest(
+            f"inputs[0]: must be an object with name, shape, datatype and data, got {type(inp).__name__}"
+        )
+    check_keys(inp, V2_INPUT_KEYS, "inputs[0]")
+    if not isinstance(inp.get("name"), str) or not inp["name"]:
+        raise BadRequest(f"inputs[0].name: must be a non-empty string, got {shown(inp.get('name'))}")
+    if inp.get("datatype") != "BYTES":
+        raise BadRequest(
+            f"inputs[0].datatype: must be BYTES (JSON instances), got {shown(inp.get('datatype'))}"
+        )
+    if inp.get("parameters") is not None:
+        if not isinstance(inp["parameters"], dict):
+            raise BadRequest("inputs[0].parameters: must be an object")
+        check_keys(inp["parameters"], V2_INPUT_PARAMETERS, "inputs[0].parameters")
+    data = parse_instances_list(inp.get("data"), "inputs[0].data", cfg)
+    if inp.get("shape") != [len(data)]:
+        raise BadRequest(
+            f"inputs[0].shape: must be [{len(data)}] for {len(data)} data elements, got {shown(inp.get('shape'))}"
+        )
+    outputs = payload.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, list) or not all(
+            isinstance(o, dict) and o.get("name") == OUTPUT for o in outputs
+        ):
+            raise BadRequest(f"outputs: the only output is [{{'name': '{OUTPUT}'}}], got {shown(outputs)}")
+    instances = []
+    for i, d in enumerate(data):
+        if isinstance(d, bytes | str):
+            d = parse_json(d, f"inputs[0].data[{i}]", cfg)
+        instances.append(d)
+    return instances, payload.get("parameters")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request: its instances (raw dicts, each checked), the request-level options and where the
+    instances sit in the body ("instances" for v1, "inputs[0].data" for v2: error messages name that path)."""
+
+    instances: list[dict[str, Any]]
+    params: dict[str, Any]
+    options: Options
+    where: str
+
+
+def check_request(payload: Any, v2: bool, cfg: ServeConfig) -> Request:
+    instances, params = v2_body(payload, cfg) if v2 else v1_body(payload, cfg)
+    options = parse_parameters(params, cfg)
+    where = "inputs[0].data" if v2 else "instances"
+    for i, raw in enumerate(instances):
+        check_instance(raw, f"{where}[{i}]", cfg, options)
+    return Request(instances, dict(params or {}), options, where)
+
+
+def validate_body(body: bytes, v2: bool, cfg: ServeConfig) -> Request:
+    """The edge check of a raw predict (v1) or infer (v2) body."""
+    return check_request(parse_json(body, "body", cfg), v2, cfg)
+
+
+def request_instances(payload: Any, cfg: ServeConfig) -> Request:
+    """The same check on what kserve hands a model: a v1 dict (bytes without a JSON content type) or a v2
+    InferRequest."""
+    from kserve.protocol.infer_type import InferRequest  # lazy: a slow import the edge checks do not need
+
+    if isinstance(payload, InferRequest):
+        body = {
+            "id": payload.id,
+            "inputs": [
+                {
+                    "name": i.name,
+                    "shape": list(i.shape),
+                    "datatype": i.datatype,
+                    "data": i.data,
+                    "parameters": i.parameters or None,
+                }
+                for i in payload.inputs
+            ],
+            "parameters": payload.parameters,
+        }
+        return check_request(body, True, cfg)
+    if isinstance(payload, bytes | str):
+        payload = parse_json(payload, "body", cfg)
+    return check_request(payload, False, cfg)
 
 
 def format_result(
@@ -202,3 +373,18 @@ def format_result(
     if opts.trace:
         out["trace"] = res.trace
     return out
+
+
+def reply(payload: Any, model_name: str, predictions: list[dict[str, Any]]) -> dict | InferResponse:
+    """The answer in the request's protocol: v1 {"predictions": [...]}, or for a v2 InferRequest one BYTES
+    output "predictions" holding each prediction as a JSON string."""
+    from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
+
+    if not isinstance(payload, InferRequest):
+        return {"predictions": predictions}
+    data = [json.dumps(p) for p in predictions]
+    return InferResponse(
+        model_name=model_name,
+        infer_outputs=[InferOutput(name=OUTPUT, shape=[len(data)], datatype="BYTES", data=data)],
+        response_id=payload.id or str(uuid.uuid4()),  # kserve 500s on a None id (STACK.md §3)
+    )

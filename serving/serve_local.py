@@ -5,7 +5,10 @@
     python -m serving.serve_local --role predictor --model_uri ... --port 8081
     python -m serving.serve_local --role transformer --predictor_host 127.0.0.1:8081 --feast_repo ... --port 8080
 
-Without --feast_repo/--feast_url, `all` serves the predictor alone on --port.
+Without --feast_repo/--feast_url, `all` serves the predictor alone on --port. In `all`, the transformer stops
+(exit status 1) when its predictor child exits, rather than serving 503s from a dead predictor.
+
+Model control (kserve's /v2/repository/models/<name>/load and /unload) is off unless --enable_model_control.
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -70,6 +76,8 @@ def running(args: list[str], model_name: str, log: Path | None = None) -> Iterat
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from serving.transformer import TransformerConfig  # lazy: imports kserve
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--role", choices=["all", "predictor", "transformer"], default="all")
     p.add_argument("--model_name", default="reranker")
@@ -88,6 +96,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_batch", type=int, default=ServeConfig.max_batch)
     p.add_argument("--max_wait_ms", type=float, default=ServeConfig.max_wait_ms)
     p.add_argument("--max_body_bytes", type=int, default=ServeConfig.max_body_bytes)
+    p.add_argument(
+        "--body_timeout_s",
+        type=float,
+        default=ServeConfig.body_timeout_s,
+        help="a request body not fully received within this gets 408",
+    )
+    p.add_argument(
+        "--predictor_timeout_s",
+        type=float,
+        default=TransformerConfig.timeout_s,
+        help="transformer: no answer from the predictor or the feature server within this gets 504",
+    )
+    p.add_argument(
+        "--enable_model_control",
+        action="store_true",
+        help="allow kserve's model load/unload endpoints (off: anyone reaching the port could unload the model)",
+    )
     return p.parse_known_args(argv)[0]  # kserve parses sys.argv too; tolerate its flags
 
 
@@ -99,7 +124,8 @@ def serve_predictor(a: argparse.Namespace, cfg: ServeConfig) -> None:
         sys.exit("--model_uri is required for the predictor")
     model = RerankPredictor(a.model_name, model_uri=a.model_uri, cfg=cfg)
     model.load()
-    start_model_server([model], a.port, a.host, cfg.max_body_bytes)
+    # the predictor also accepts the histories a transformer in front of it adds to a client's body
+    start_model_server([model], a.port, a.host, cfg, cfg.forwarded_body_bytes(), a.enable_model_control)
 
 
 def serve_transformer(a: argparse.Namespace, cfg: ServeConfig) -> None:
@@ -113,17 +139,23 @@ def serve_transformer(a: argparse.Namespace, cfg: ServeConfig) -> None:
         feast_url=a.feast_url,
         unknown_user=a.unknown_user,
         unknown_items=a.unknown_items,
+        timeout_s=a.predictor_timeout_s,
     )
     model = FeastTransformer(a.model_name, tcfg, cfg)
     model.load()
-    start_model_server([model], a.port, a.host, cfg.max_body_bytes)
+    start_model_server([model], a.port, a.host, cfg, cfg.max_body_bytes, a.enable_model_control)
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request is noise
     a = parse_args(argv)
-    cfg = ServeConfig(max_batch=a.max_batch, max_wait_ms=a.max_wait_ms, max_body_bytes=a.max_body_bytes)
+    cfg = ServeConfig(
+        max_batch=a.max_batch,
+        max_wait_ms=a.max_wait_ms,
+        max_body_bytes=a.max_body_bytes,
+        body_timeout_s=a.body_timeout_s,
+    )
     if a.role == "predictor" or (a.role == "all" and not (a.feast_repo or a.feast_url)):
         serve_predictor(a, cfg)
         return
@@ -151,16 +183,40 @@ def main(argv: list[str] | None = None) -> None:
         str(a.max_wait_ms),
         "--max_body_bytes",
         str(a.max_body_bytes),
+        "--body_timeout_s",
+        str(a.body_timeout_s),
+        *(["--enable_model_control"] if a.enable_model_control else []),
     ]
+    # a SIGTERM before the transformer's server takes over the signal must still run the `finally` below
+    # (Python's default action would exit at once and orphan the predictor child)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     child = subprocess.Popen(child_args)
+    stopping = threading.Event()
+
+    def stop_when_child_exits() -> None:
+        rc = child.wait()
+        if not stopping.is_set():
+            log.error("the predictor (pid %d) exited with %s: stopping the transformer", child.pid, rc)
+            os.kill(os.getpid(), signal.SIGTERM)  # the server's own graceful shutdown
+
+    threading.Thread(target=stop_when_child_exits, daemon=True).start()
     try:
-        wait_ready(f"http://{a.host}:{pport}/v1/models/{a.model_name}", proc=child)
+        # a long limit: the wait ends as soon as the child dies, and a busy machine loads the model slowly
+        wait_ready(f"http://{a.host}:{pport}/v1/models/{a.model_name}", timeout_s=600, proc=child)
         log.info("predictor ready on %s:%d; starting the transformer on %s:%d", a.host, pport, a.host, a.port)
         a.predictor_host = f"{a.host}:{pport}"
         serve_transformer(a, cfg)
     finally:
+        died = child.poll() is not None
+        stopping.set()
         child.terminate()
-        child.wait(timeout=10)
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    if died:
+        sys.exit(f"the predictor exited with {child.returncode}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ For each instance it looks up the `reranker_v1` feature service (the same one tr
 there is no training/serving skew) with one entity row per (user_id, candidate item_id): `history` comes from
 `user_history`, and a candidate without an `item_features` row is unknown to the platform. Then it forwards
 v1 JSON to the predictor at `predictor_host` and relays the answer (v1 dict, or a v2 InferResponse for v2
-clients). Predictor 4xx answers come back as 400s with the predictor's message; the server stays up.
+clients). The request is validated whole before any feature lookup (serving/schema.py). A predictor 400 comes
+back as a 400 with the predictor's message; upstream failures are 502 (a bad answer), 503 (unreachable) or 504
+(no answer within `timeout_s`), and the readiness probes also ask the predictor (`upstream_ready`).
 
 Feast is reached through the SDK (`FeatureStore(repo_path)`, any online store its yaml names: sqlite locally,
 Redis in prod) or through Feast's HTTP feature server (`feast_url`, POST /get-online-features).
@@ -13,18 +15,15 @@ Redis in prod) or through Feast's HTTP feature server (`feast_url`, POST /get-on
 from __future__ import annotations
 
 import asyncio
-import json
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import kserve
-from kserve.errors import InferenceError, InvalidInput
-from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
+from kserve.protocol.infer_type import InferRequest
 
-from serving.schema import BadRequest, ServeConfig, parse_instances_list, v1_body, v2_instances
+from serving.schema import BadRequest, ServeConfig, UpstreamError, reply, request_instances, shown
 
 FEATURE_SERVICE = "reranker_v1"
 
@@ -38,22 +37,9 @@ class TransformerConfig:
     feature_service: str = FEATURE_SERVICE
     unknown_user: str = "empty"  # "empty": serve with an empty history; "reject": 400
     unknown_items: str = "reject"  # "reject": 400 for a candidate with no item_features row; "pass"
-    timeout_s: float = 30.0
-
-
-def _check_instance(raw: Any, where: str) -> tuple[str, list[str]]:
-    """Just enough validation to build Feast entity rows; the predictor validates the rest."""
-    if not isinstance(raw, dict):
-        raise BadRequest(f"{where}: expected an object with user_id and candidates, got {type(raw).__name__}")
-    user_id, cands = raw.get("user_id"), raw.get("candidates")
-    if not isinstance(user_id, str) or not user_id:
-        raise BadRequest(f"{where}.user_id: must be a non-empty string, got {user_id!r}")
-    if not isinstance(cands, list):
-        raise BadRequest(f"{where}.candidates: must be a list of item id strings, got {type(cands).__name__}")
-    for j, c in enumerate(cands):
-        if not isinstance(c, str) or not c:
-            raise BadRequest(f"{where}.candidates[{j}]: must be a non-empty string, got {c!r}")
-    return user_id, cands
+    timeout_s: float = 30.0  # predictor / feature server: no answer within this -> 504
+    connect_timeout_s: float = 2.0  # not even connected within this -> 504; refused -> 503
+    health_timeout_s: float = 2.0  # the readiness probes' question to the predictor
 
 
 class FeastTransformer(kserve.Model):
@@ -84,50 +70,82 @@ class FeastTransformer(kserve.Model):
     def _http(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if self._client is None or self._client_loop is not loop:
-            self._client, self._client_loop = httpx.AsyncClient(timeout=self.cfg.timeout_s), loop
+            timeout = httpx.Timeout(self.cfg.timeout_s, connect=self.cfg.connect_timeout_s)
+            self._client, self._client_loop = httpx.AsyncClient(timeout=timeout), loop
         return self._client
+
+    async def _post(self, what: str, url: str, body: dict[str, Any]) -> httpx.Response:
+        """POST to an upstream; a failure to get any answer becomes an UpstreamError (504 or 503)."""
+        try:
+            return await self._http().post(url, json=body)
+        except httpx.TimeoutException as e:
+            raise UpstreamError(
+                f"{what}: no answer within the timeout ({type(e).__name__}, {url})", 504
+            ) from e
+        except httpx.TransportError as e:
+            raise UpstreamError(f"{what}: unreachable ({type(e).__name__}, {url})", 503) from e
+
+    async def upstream_ready(self) -> bool:
+        """Whether the predictor says its model is ready: the readiness probes ask this (serving/modelserver.py),
+        so a frozen or dead predictor takes the transformer out of rotation too."""
+        url = f"http://{self.cfg.predictor_host}/v2/models/{self.name}/ready"
+        try:
+            r = await self._http().get(url, timeout=self.cfg.health_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
 
     # --- features -----------------------------------------------------------------------------
     async def online_features(self, rows: list[dict[str, str]]) -> dict[str, list[Any]]:
         """Column dict for entity rows [{user_id, item_id}] from the feature service."""
         if self.store is not None:
-            return await asyncio.to_thread(
-                lambda: self.store.get_online_features(features=self._service, entity_rows=rows).to_dict()
-            )
+            try:
+                return await asyncio.to_thread(
+                    lambda: self.store.get_online_features(features=self._service, entity_rows=rows).to_dict()
+                )
+            except Exception as e:  # the online store (sqlite, Redis) failed: not the client's fault
+                raise UpstreamError(
+                    f"feature store: lookup failed ({type(e).__name__}: {shown(str(e), 200)})", 503
+                ) from e
         body = {
             "feature_service": self.cfg.feature_service,
             "entities": {"user_id": [r["user_id"] for r in rows], "item_id": [r["item_id"] for r in rows]},
             "full_feature_names": False,
         }
-        r = await self._http().post(f"{self.cfg.feast_url.rstrip('/')}/get-online-features", json=body)
-        if r.status_code != 200:
-            raise InferenceError(f"feature server answered {r.status_code}: {r.text[:200]}")
-        out = r.json()
-        names = out["metadata"]["feature_names"]
-        return {n: res["values"] for n, res in zip(names, out["results"], strict=True)}
+        r = await self._post("feature server", f"{self.cfg.feast_url.rstrip('/')}/get-online-features", body)
+        try:
+            if r.status_code != 200:
+                raise ValueError(f"HTTP {r.status_code}")
+            out = r.json()
+            names = out["metadata"]["feature_names"]
+            return {n: res["values"] for n, res in zip(names, out["results"], strict=True)}
+        except (ValueError, KeyError, TypeError) as e:
+            raise UpstreamError(f"feature server: bad answer ({e}): {shown(r.text, 200)}", 502) from e
 
-    async def enrich(self, instances: list[Any], where: str) -> list[dict[str, Any]]:
-        checked = [_check_instance(raw, f"{where}[{i}]") for i, raw in enumerate(instances)]
-        rows = [{"user_id": u, "item_id": c} for u, cands in checked for c in cands]
+    async def enrich(self, instances: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+        """Validated instances with `history` filled from Feast (unless the client sent one)."""
+        rows = [{"user_id": inst["user_id"], "item_id": c} for inst in instances for c in inst["candidates"]]
         feats = await self.online_features(rows) if rows else {}
         out, k = [], 0
-        for i, ((user_id, cands), raw) in enumerate(zip(checked, instances, strict=True)):
+        for i, raw in enumerate(instances):
+            cands = raw["candidates"]
             span = range(k, k + len(cands))
             k += len(cands)
             if self.cfg.unknown_items == "reject" and "title" in feats:
                 for j, r in enumerate(span):
                     if feats["title"][r] is None:
                         raise BadRequest(
-                            f"{where}[{i}].candidates[{j}]: unknown item id {cands[j]!r} (not in the feature store)"
+                            f"{where}[{i}].candidates[{j}]: unknown item id {shown(cands[j])} (not in the feature store)"
                         )
             inst = dict(raw)
             if "history" not in raw:  # a client-sent history wins (replays, what-if tests)
                 history = feats["history"][span[0]] if len(span) else None
                 if history is None and self.cfg.unknown_user == "reject":
                     raise BadRequest(
-                        f"{where}[{i}].user_id: unknown user {user_id!r} (no history in the feature store)"
+                        f"{where}[{i}].user_id: unknown user {shown(raw['user_id'])} (no history in the feature store)"
                     )
-                inst["history"] = list(history or [])
+                # the newest ids only: the predictor's body limit allows this many per instance
+                inst["history"] = list(history or [])[-self.serve_cfg.max_filled_history :]
             out.append(inst)
         return out
 
@@ -139,18 +157,22 @@ class FeastTransformer(kserve.Model):
         body: dict[str, Any] = {"instances": instances}
         if params:
             body["parameters"] = params
-        r = await self._http().post(url, json=body)
-        if 400 <= r.status_code < 500:
+        r = await self._post("predictor", url, body)
+        if r.status_code == 400:  # the client's input, as the predictor's model judged it: relay it
             try:
-                msg = r.json().get("error", r.text)
-            except json.JSONDecodeError:
+                msg = r.json()["error"]
+            except (ValueError, KeyError, TypeError):
                 msg = r.text
             if where != "instances" and msg.startswith("instances["):
                 msg = where + msg[len("instances") :]  # name the field as the (v2) client sent it
-            raise InvalidInput(msg)
-        if r.status_code != 200:
-            raise InferenceError(f"predictor answered {r.status_code}: {r.text[:200]}")
-        return r.json()["predictions"]
+            raise BadRequest(msg)
+        try:
+            if r.status_code != 200:
+                raise ValueError(f"HTTP {r.status_code}")
+            return r.json()["predictions"]
+        except (ValueError, KeyError, TypeError) as e:
+            status = 503 if r.status_code == 503 else 502
+            raise UpstreamError(f"predictor: bad answer ({e}): {shown(r.text, 200)}", status) from e
 
     def validate(self, payload: Any) -> Any:
         # our own parser validates (and names fields consistently for v1 and v2); skip kserve's shallow check
@@ -159,21 +181,8 @@ class FeastTransformer(kserve.Model):
     async def predict(
         self, payload: dict | InferRequest | bytes, headers: dict[str, str] | None = None
     ) -> Any:
-        try:
-            if isinstance(payload, InferRequest):
-                instances, params = v2_instances(payload, self.serve_cfg)
-                where = "inputs[0].data"
-                preds = await self.forward(await self.enrich(instances, where), params, where)
-                data = [json.dumps(p) for p in preds]
-                return InferResponse(
-                    model_name=self.name,
-                    infer_outputs=[
-                        InferOutput(name="predictions", shape=[len(data)], datatype="BYTES", data=data)
-                    ],
-                    response_id=payload.id or str(uuid.uuid4()),
-                )
-            instances, params = v1_body(payload, self.serve_cfg)
-            parse_instances_list(instances, "instances", self.serve_cfg)
-            return {"predictions": await self.forward(await self.enrich(instances, "instances"), params)}
-        except BadRequest as e:
-            raise InvalidInput(str(e)) from e
+        # the whole request is validated before any feature lookup; a BadRequest or UpstreamError propagates
+        # and serving/modelserver.py answers it with its status and one log line
+        request = request_instances(payload, self.serve_cfg)
+        instances = await self.enrich(request.instances, request.where)
+        return reply(payload, self.name, await self.forward(instances, request.params, request.where))

@@ -1,5 +1,6 @@
 """Artifact store round trips: local folder, and S3 through boto3 against moto's real HTTP server on loopback."""
 
+import hashlib
 import json
 
 import boto3
@@ -63,6 +64,7 @@ def test_s3_upload_pointer_download(s3_store, tmp_path):
             f"{base}/reranker.json",
             f"{base}/sub/weights.bin",
             f"{base}/report.json",
+            f"reranker/run1/cft/manifests/{m.attempt}.json",
             "reranker/run1/cft/manifest.json",
         ]
     )
@@ -148,3 +150,74 @@ def test_bad_names_and_empty_uploads(tmp_path):
         store.upload("a", "s")
     with pytest.raises(ArtifactError, match="nothing in production"):
         store.download_production(tmp_path / "x")
+
+
+# --- the production pointer pins what was tested (issue 18) ---------------------------------------------
+def test_reupload_without_promote_does_not_change_what_production_downloads(tmp_path):
+    store = ArtifactStore(LocalBackend(tmp_path / "store"))
+    store.upload("r", "model", make_model(tmp_path / "v1", 1))
+    pointer = store.promote("r", "model", {"model": "floor"})
+    store.upload("r", "model", make_model(tmp_path / "v2", 2))  # re-uploaded, never promoted
+    assert store.manifest("r", "model").attempt != pointer["attempt"]
+    out = store.download_production(tmp_path / "dl")
+    assert json.loads((out / "reranker.json").read_text())["version"] == 1
+    assert len(pointer["manifest_sha256"]) == 64 and pointer["model"] == "floor"
+
+
+def test_promote_pins_the_attempt_it_is_given(tmp_path):
+    """A rollout smoke-tests one upload; a re-upload while it runs must not be what gets promoted."""
+    store = ArtifactStore(LocalBackend(tmp_path / "store"))
+    tested = store.upload("r", "model", make_model(tmp_path / "v1", 1))
+    store.upload("r", "model", make_model(tmp_path / "v2", 2))  # published meanwhile
+    pointer = store.promote("r", "model", {"attempt": "spoofed", "uri": "elsewhere"}, attempt=tested.attempt)
+    assert (
+        pointer["attempt"] == tested.attempt and pointer["uri"] == tested.uri
+    )  # the record cannot move the pin
+    assert pointer["manifest_sha256"] == tested.sha256()
+    out = store.download_production(tmp_path / "dl")
+    assert json.loads((out / "reranker.json").read_text())["version"] == 1
+    with pytest.raises(ArtifactError, match="no complete upload to promote"):
+        store.promote("r", "model", attempt="20990101T000000-deadbeef")
+
+
+def test_promote_refuses_missing_or_changed_files(tmp_path):
+    root = tmp_path / "store"
+    store = ArtifactStore(LocalBackend(root))
+    m = store.upload("r", "model", make_model(tmp_path / "v1", 1))
+    (root / "reranker" / "r" / "model" / m.attempt / "sub" / "weights.bin").unlink()
+    with pytest.raises(ArtifactError, match="weights.bin: missing"):
+        store.promote("r", "model")
+    m = store.upload("r", "model", make_model(tmp_path / "v2", 2))
+    (root / "reranker" / "r" / "model" / m.attempt / "reranker.json").write_text("{}")
+    with pytest.raises(ArtifactError, match="reranker.json: sha256 mismatch"):
+        store.promote("r", "model")
+    assert store.production() is None
+
+
+def test_a_changed_pinned_manifest_is_refused(tmp_path):
+    root = tmp_path / "store"
+    store = ArtifactStore(LocalBackend(root))
+    m = store.upload("r", "model", make_model(tmp_path / "v1", 1))
+    store.promote("r", "model")
+    # someone rewrites the attempt's manifest (and its file) after the promote: production must not follow
+    (root / "reranker" / "r" / "model" / m.attempt / "reranker.json").write_text("{}")
+    forged = {**json.loads(m.to_json()), "files": {"reranker.json": {"sha256": "0" * 64, "size": 2}}}
+    (root / "reranker" / "r" / "model" / "manifests" / f"{m.attempt}.json").write_text(json.dumps(forged))
+    with pytest.raises(ArtifactError, match="not the one promoted"):
+        store.download_production(tmp_path / "dl")
+
+
+def test_manifest_paths_cannot_leave_the_download_folder(tmp_path):
+    root = tmp_path / "store"
+    store = ArtifactStore(LocalBackend(root))
+    m = store.upload("r", "model", make_model(tmp_path / "v1", 1))
+    escape, data = "../../../../escape_probe.txt", b"escaped"
+    (root / "reranker" / "r" / "model" / m.attempt / escape).resolve().write_bytes(data)  # the key it names
+    files = {**m.files, escape: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}}
+    forged = {**json.loads(m.to_json()), "files": files}
+    (root / "reranker" / "r" / "model" / "manifest.json").write_text(json.dumps(forged))
+    dest = tmp_path / "a" / "b" / "c" / "dl"
+    with pytest.raises(ArtifactError, match="escape_probe.txt.*not a plain relative path"):
+        store.download("r", "model", dest)
+    assert (dest / escape).resolve() == tmp_path / "escape_probe.txt"
+    assert not (tmp_path / "escape_probe.txt").exists()

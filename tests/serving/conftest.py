@@ -22,8 +22,7 @@ H = 20
 MODEL = "reranker"
 
 
-@pytest.fixture(scope="session")
-def ml_slice():
+def load_ml_slice() -> dict:
     """First 200 users of ml-latest-small: interactions in seq order, their items, and each user's last H."""
     inter = pd.read_csv(DATA / "interactions.tsv", sep="\t", dtype={"user_id": str, "item_id": str})
     users = inter["user_id"].drop_duplicates().head(N_USERS)
@@ -32,6 +31,11 @@ def ml_slice():
     items = items[items["item_id"].isin(set(inter["item_id"]))].reset_index(drop=True)
     history = {u: list(g["item_id"])[-H:] for u, g in inter.groupby("user_id", sort=False)}
     return {"interactions": inter, "items": items, "history": history}
+
+
+@pytest.fixture(scope="session")
+def ml_slice():
+    return load_ml_slice()
 
 
 @pytest.fixture(scope="session")
@@ -67,14 +71,14 @@ def predictor(model_dir, tmp_path_factory):
     stop(proc)
 
 
-@pytest.fixture(scope="session")
-def feast_repo(ml_slice, tmp_path_factory):
-    """A Feast repo applied and written through the SDK (no CLI: `feast apply` imports every .py file)."""
+def build_feast_repo(ml_slice: dict, root: Path) -> Path:
+    """A Feast repo in `root`, applied and written through the SDK (no CLI: `feast apply` imports every .py
+    file)."""
     from feast import Entity, FeatureService, FeatureStore, FeatureView, Field, FileSource
     from feast.types import Array, Int64, String
     from feast.value_type import ValueType
 
-    root = tmp_path_factory.mktemp("feature_repo")
+    root.mkdir(parents=True, exist_ok=True)
     (root / "feature_store.yaml").write_text(
         "project: gr2\nprovider: local\nregistry: registry.db\n"
         "online_store: {type: sqlite, path: online.db}\noffline_store: {type: file}\n"
@@ -125,6 +129,11 @@ def feast_repo(ml_slice, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def feast_repo(ml_slice, tmp_path_factory):
+    return build_feast_repo(ml_slice, tmp_path_factory.mktemp("feature_repo"))
+
+
+@pytest.fixture(scope="session")
 def transformer(predictor, feast_repo, tmp_path_factory):
     wait_ready(f"{predictor['url']}/v1/models/{MODEL}", proc=predictor["proc"])
     port = free_port()
@@ -142,6 +151,20 @@ def transformer(predictor, feast_repo, tmp_path_factory):
         ],
         log,
     )
-    wait_ready(f"http://127.0.0.1:{port}/v1/models/{MODEL}", timeout_s=90, proc=proc)
+    wait_ready(f"http://127.0.0.1:{port}/v1/models/{MODEL}", timeout_s=300, proc=proc)
     yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "log": log}
     stop(proc)
+
+
+@pytest.fixture(scope="module")
+def items(ml_slice):
+    return list(ml_slice["items"]["item_id"])
+
+
+@pytest.fixture(scope="module", params=["predictor", "transformer"])
+def server(request, predictor):
+    """Each test runs against the predictor alone and against the transformer in front of it."""
+    if request.param == "predictor":
+        wait_ready(f"{predictor['url']}/v1/models/{MODEL}", timeout_s=180, proc=predictor["proc"])
+        return {"name": "predictor", **predictor}
+    return {"name": "transformer", **request.getfixturevalue("transformer")}

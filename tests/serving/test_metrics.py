@@ -9,13 +9,13 @@ import json
 
 import httpx
 import pytest
-from kserve.errors import InvalidInput
 from kserve.protocol.infer_type import InferInput, InferRequest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from gr2.inference import RankResult
 from serving.predictor import RerankPredictor
+from serving.schema import BadRequest
 from tests.serving.conftest import MODEL
 
 
@@ -70,7 +70,7 @@ def test_each_answer_is_recorded():
         )
         await model.predict(v2)  # v2: 1 ar ranking
         await model.predict({"instances": [inst("u3"), inst("u4", "ar")]})  # mixed
-        with pytest.raises(InvalidInput):
+        with pytest.raises(BadRequest):
             await model.predict({"instances": [{"user_id": "u5"}]})  # no candidates: 400
         with pytest.raises(RuntimeError):
             await model.predict({"instances": [inst("crash")]})  # the model fails: 500

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from gr2.data.profile import profile_markdown
 from gr2.metrics import METRICS, evaluate, identity_rankings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -154,6 +155,8 @@ def render_markdown(report: dict, plots: list[str] | None = None) -> str:
     if gate is not None:
         out += ["", f"**Gate: {'PASSED' if gate.get('passed') else 'FAILED'}**"]
         out += [f"- {r}" for r in gate.get("reasons", [])]
+    if report.get("dataset_profile"):  # what the data has and lacks: why some evidence carries no signal
+        out += ["", "## Dataset profile", "", *profile_markdown(report["dataset_profile"])]
     cards = report.get("model_cards") or []
     if cards:
         out += ["", "## Model cards", "", " · ".join(f"[{Path(c).stem}]({c})" for c in cards)]

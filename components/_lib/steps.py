@@ -220,6 +220,7 @@ def evaluate(
         "dataset_arg": dataset,
         "profile": prof.name,
         "snapshot_date": meta.get("snapshot_date", ""),
+        "dataset_profile": meta.get("profile"),  # what the data has and lacks, from ingest
         "rows": rows,
         "gate": {
             "passed": False,

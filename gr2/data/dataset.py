@@ -109,7 +109,7 @@ def _read_items(path: Path) -> pd.DataFrame:
 
 
 def _to_float(col: pd.Series, path: Path, name: str) -> np.ndarray:
-    num = pd.to_numeric(col.replace("", np.nan), errors="coerce").to_numpy(np.float64)
+    num = pd.to_numeric(col.mask(col == ""), errors="coerce").to_numpy(np.float64)  # "" = unknown
     bad = np.flatnonzero(np.isnan(num) & (col != "").to_numpy())
     if len(bad):
         raise _fail(path, _line(bad[0]), f"{name} {col.iat[bad[0]]!r} is not a number", name)

@@ -13,7 +13,7 @@ a variant is the same files on every machine. The output is a folder in the unif
 | `no_text` | amazon_beauty | titles and categories emptied |
 | `no_timestamps` | amazon_beauty | timestamps emptied (order from seq_idx only) |
 | `stripped` | amazon_beauty | titles and timestamps emptied (categories kept): the bench recipe |
-| `repeats` | amazon_beauty | earlier items consumed again (about one row in five is a repeat) |
+| `repeats` | amazon_beauty | earlier items consumed again (about one row in six is a repeat) |
 | `long` | ml-latest-small | only its users with >= 1,000 interactions, plus users cut to 2, 3 and 4 items |
 """
 

@@ -14,7 +14,7 @@ a variant is the same files on every machine. The output is a folder in the unif
 | `no_timestamps` | amazon_beauty | timestamps emptied (order from seq_idx only) |
 | `stripped` | amazon_beauty | titles and timestamps emptied (categories kept): the bench recipe |
 | `repeats` | amazon_beauty | earlier items consumed again (about one row in six is a repeat) |
-| `long` | ml-latest-small | only its users with >= 1,000 interactions, plus users cut to 2, 3 and 4 items |
+| `long` | ml-latest-small | its 3 users with >= 2,000 interactions, 3 users cut to 2, 3 and 4 items, 40 as they are |
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from gr2.data.dataset import data_root
 
 SEED = 0
 REPEAT_SHARE = 0.2  # `repeats`: probability that an interaction is followed by a re-consumption
-LONG_MIN = 1000  # `long`: users with at least this many interactions are kept whole
+LONG_MIN = 2000  # `long`: users with at least this many interactions are kept whole
 SHORT_LENGTHS = (2, 3, 4)  # `long`: users cut to these lengths (2 = only a test target, 4 = one train target)
+ORDINARY_USERS = 40  # `long`: then users as they are, whose validation and test items the retriever reaches
 
 
 @dataclass
@@ -89,16 +90,22 @@ def inject_repeats(t: Tables, share: float = REPEAT_SHARE, seed: int = SEED) -> 
     return Tables(out, t.items)
 
 
-def long_histories(t: Tables, min_len: int = LONG_MIN, short: tuple[int, ...] = SHORT_LENGTHS) -> Tables:
-    """The users with >= `min_len` interactions, plus the first users (by id) of the rest cut to the
-    `short` lengths (their first items): the longest histories next to users at the minimum length."""
+def long_histories(
+    t: Tables, min_len: int = LONG_MIN, short: tuple[int, ...] = SHORT_LENGTHS, ordinary: int = ORDINARY_USERS
+) -> Tables:
+    """The users with >= `min_len` interactions; of the rest (by id), the first cut to the `short` lengths
+    (their first items), then `ordinary` users as they are. The longest histories beside users at the minimum
+    length; the ordinary users make sure the retriever reaches some validation and test items."""
     inter = t.interactions
     n = inter.groupby("user_id", sort=False)["user_id"].transform("size")
     long_users = set(inter.loc[n >= min_len, "user_id"])
     rest = sorted(set(inter["user_id"]) - long_users)
-    cut = dict(zip(rest, short, strict=False))
+    keep_len = dict(zip(rest, short, strict=False))
+    keep_len |= {u: np.inf for u in rest[len(short) : len(short) + ordinary]} | {
+        u: np.inf for u in long_users
+    }
     pos = inter["seq_idx"].astype(int)
-    keep = inter["user_id"].isin(long_users) | (pos < inter["user_id"].map(cut).fillna(0))
+    keep = pos < inter["user_id"].map(keep_len).fillna(0)
     return Tables(inter[keep].reset_index(drop=True), t.items)
 
 
@@ -121,17 +128,30 @@ VARIANTS = {
     "long": Variant(
         "ml-latest-small",
         (long_histories,),
-        f"ml-latest-small: users with >= {LONG_MIN} interactions plus users cut to {SHORT_LENGTHS} items",
+        f"ml-latest-small: users with >= {LONG_MIN} interactions, users cut to {SHORT_LENGTHS} items and "
+        f"{ORDINARY_USERS} users as they are",
     ),
 }
 
 
-def build_variant(name: str, out: str | Path, source_root: str | Path | None = None) -> Path:
-    """Write variant `name` (VARIANTS) as a uniform-format folder `out`; returns `out`."""
+def first_users(t: Tables, max_users: int) -> Tables:
+    """The first `max_users` users in id order (the ingest slice's order); all of them when <= 0."""
+    if max_users <= 0:
+        return t
+    inter = t.interactions
+    users = sorted(inter["user_id"].unique())[:max_users]
+    return Tables(inter[inter["user_id"].isin(users)].reset_index(drop=True), t.items)
+
+
+def build_variant(
+    name: str, out: str | Path, source_root: str | Path | None = None, max_users: int = 0
+) -> Path:
+    """Write variant `name` (VARIANTS) as a uniform-format folder `out`; returns `out`. `max_users` > 0 keeps
+    the source's first users (id order) before the transforms: a tiny slice for tests."""
     if name not in VARIANTS:
         raise KeyError(f"unknown variant {name!r}: one of {sorted(VARIANTS)}")
     v = VARIANTS[name]
-    tables = read_tables(Path(source_root or data_root()) / v.source)
+    tables = first_users(read_tables(Path(source_root or data_root()) / v.source), max_users)
     for f in v.transforms:
         tables = f(tables)
     items = tables.items[["item_id", "title", "categories"]]
@@ -163,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("variant", choices=sorted(VARIANTS))
     ap.add_argument("--out", required=True, help="folder to write (replaced if it exists)")
     ap.add_argument("--source-root", default=None, help="where the source folders are (default: data root)")
+    ap.add_argument("--max-users", type=int, default=0, help="keep the source's first N users (0 = all)")
     a = ap.parse_args(argv)
-    print(build_variant(a.variant, a.out, a.source_root))
+    print(build_variant(a.variant, a.out, a.source_root, a.max_users))
     return 0
 
 

@@ -43,9 +43,10 @@ def test_inject_repeats_copies_earlier_items_and_keeps_order():
 
 
 def test_long_histories_keeps_long_users_and_cuts_others():
-    t = _tables({"x": 12, "y": 3, "a": 9, "b": 9, "c": 9, "d": 9})
-    out = long_histories(t, min_len=10, short=(2, 3, 4)).interactions
-    assert out.groupby("user_id", sort=False).size().to_dict() == {"x": 12, "a": 2, "b": 3, "c": 4}
+    t = _tables({"x": 12, "y": 3, "a": 9, "b": 9, "c": 9, "d": 9, "e": 5, "f": 6})
+    out = long_histories(t, min_len=10, short=(2, 3, 4), ordinary=2).interactions
+    sizes = out.groupby("user_id", sort=False).size().to_dict()
+    assert sizes == {"x": 12, "a": 2, "b": 3, "c": 4, "d": 9, "e": 5}
     assert out[out["user_id"] == "c"]["seq_idx"].tolist() == ["0", "1", "2", "3"]  # each user's first items
 
 
@@ -67,16 +68,17 @@ def shared():
     ],
 )
 def test_real_variants_load_and_profile(shared, tmp_path, name, lacks, has_repeats):
-    ds = load_dataset(build_variant(name, tmp_path / name))
+    # Beauty's variants on its first 500 users (id order); `long` needs all of ml-latest-small to find its users.
+    max_users = 0 if name == "long" else 500
+    ds = load_dataset(build_variant(name, tmp_path / name, max_users=max_users))
     prof = dataset_profile(ds)
     assert prof["lacks"] == lacks
+    if max_users:
+        assert prof["users"] == max_users
     assert ("repeats" in prof["has"]) == has_repeats
     if name == "repeats":
         assert 0.12 < prof["repeats"]["share"] < 0.2  # about 0.2 / 1.2 of the rows
     if name == "long":
         h = prof["history_length"]
-        assert (
-            h["min"] == 2
-            and h["max"] == 2698
-            and prof["users_by_length"] == {"1": 0, "2": 1, "3": 1, ">=4": 13}
-        )
+        assert h["min"] == 2 and h["max"] == 2698
+        assert prof["users_by_length"] == {"1": 0, "2": 1, "3": 1, ">=4": 44}  # 3 long + 1 cut to 4 + 40

@@ -10,6 +10,7 @@ from components._image import GPU_COMPONENT_KWARGS
 def evaluate_models(
     examples: Input[Dataset],
     floor_report: Input[Artifact],
+    sft_data: Input[Artifact],
     ar_sft_model: Input[Model],
     ar_model: Input[Model],
     ar_no_trace_model: Input[Model],
@@ -22,9 +23,9 @@ def evaluate_models(
     metrics: Output[Metrics],
     profile: str,
 ):
-    """Decode the test split with every model (AR teacher after SFT and after RL, no-trace ablation, naive
-    conversion, CFT and the RL student at each tau, OPD at the serving tau),
-    measure speed in one process, write report.json / report.md / plots; headline numbers to the KFP UI."""
+    """Score the reasoning teacher (from sft_data) and decode the test split with every model (AR teacher after SFT
+    and after RL, no-trace ablation, naive conversion, CFT and the RL student at each tau, OPD at the serving
+    tau), measure speed in one process, write report.json / report.md / plots; headline numbers to the KFP UI."""
     import base64
     from pathlib import Path
 
@@ -39,7 +40,7 @@ def evaluate_models(
         "opd": opd_model.path,
         "rl": rl_model.path,
     }
-    rep = model_steps.evaluate(examples.path, floor_report.path, bundles, report.path, profile)
+    rep = model_steps.evaluate(examples.path, floor_report.path, bundles, report.path, profile, sft_data.path)
     # A self-contained Markdown for the UI: plots inlined as data URIs.
     md = (Path(report.path) / "report.md").read_text()
     for name in rep.get("plots", []):

@@ -41,7 +41,6 @@ FEATURE_NAMES = (
     "title_sim",
     "retriever_rank",
 )
-N_BUCKETS = 4
 _STOP = {"the", "and", "of", "for", "with", "in", "to", "by", "on", "an", "or", "oz", "fl", "ounce", "pack"}
 
 
@@ -86,7 +85,7 @@ class _Pairs:
 class Evidence:
     def __init__(self, config: EvidenceConfig | None = None):
         self.config = config or EvidenceConfig()
-        self.bucket_edges: np.ndarray | None = None  # [F, N_BUCKETS - 1]
+        self.bucket_edges: np.ndarray | None = None  # [F, n_buckets - 1]
 
     # ------------------------------------------------------------------ fitting and tables
     @classmethod
@@ -263,21 +262,25 @@ class Evidence:
         return np.where(cand.ravel() >= 0, dot, 0.0).reshape(B, N)
 
     # ------------------------------------------------------------------ buckets for prompts
-    def fit_buckets(self, X: np.ndarray) -> np.ndarray:
-        """Edges from training features ([..., F]): bucket 0 = at the minimum, 1..3 = terciles above it."""
+    def fit_buckets(self, X: np.ndarray, n_buckets: int = 4) -> np.ndarray:
+        """Edges from training features ([..., F]): bucket 0 = at the minimum (usually "no evidence"), buckets
+        1..n_buckets-1 = equal-count quantile ranges of the values above it (PromptConfig.n_buckets)."""
+        if n_buckets < 2:
+            raise ValueError(f"n_buckets must be >= 2, got {n_buckets}")
         flat = X.reshape(-1, X.shape[-1])
-        edges = np.zeros((flat.shape[1], N_BUCKETS - 1))
+        edges = np.zeros((flat.shape[1], n_buckets - 1))
+        inner = np.arange(1, n_buckets - 1) / (n_buckets - 1)
         for f in range(flat.shape[1]):
             x = flat[:, f]
             lo = float(x.min()) if len(x) else 0.0
             above = x[x > lo]
-            qs = np.quantile(above, [1 / 3, 2 / 3]) if len(above) else [lo, lo]
+            qs = np.quantile(above, inner) if len(above) else np.full(len(inner), lo)
             edges[f] = [lo, *qs]
         self.bucket_edges = edges
         return edges
 
     def buckets(self, X: np.ndarray) -> np.ndarray:
-        """Integer buckets 0..3 per feature (same shape as X); needs fit_buckets first."""
+        """Integer buckets 0..n_buckets-1 per feature (same shape as X); needs fit_buckets first."""
         if self.bucket_edges is None:
             raise RuntimeError("Evidence.buckets: call fit_buckets on training features first")
         e = self.bucket_edges

@@ -8,6 +8,8 @@ Rules (each one line in `reasons`, prefixed PASS/FAIL/SKIP):
   data       data validation passed
   floor      candidate recall@1 > floor recall@1 (and whether the paired 95% CI of the delta excludes zero)
   ar_gap     ar recall@1 - candidate recall@1 <= max_gap_to_ar (only when an `ar` row exists)
+  ltr        ltr recall@1 - candidate recall@1 <= max_gap_to_ltr (only when an `ltr` row exists): a GBDT on the
+             same evidence is what the platform would serve instead
   validity   validity >= min_validity
   speedup    speedup_vs_ar >= min_speedup (only when the row reports it)
   production candidate recall@1 >= production recall@1 - max_drop_vs_production (only with a production model)
@@ -26,6 +28,7 @@ from gr2.config import GateConfig
 METRIC = "recall@1"  # the headline metric every comparison uses
 FLOOR_MODEL = "floor"
 AR_MODEL = "ar"
+LTR_MODEL = "ltr"
 # Fallback while GateConfig has no such field: how much worse than production (absolute recall@1) is tolerated.
 DEFAULT_MAX_DROP_VS_PRODUCTION = 0.005
 
@@ -115,6 +118,18 @@ def decide(
             "ar_gap",
             gap <= cfg.max_gap_to_ar + 1e-12,
             f"AR {METRIC} {float(ar[METRIC]):.4f} - candidate {cand:.4f} = {gap:+.4f} (max {cfg.max_gap_to_ar})",
+        )
+
+    ltr = find_row(rows, LTR_MODEL)
+    if ltr is None:
+        record("ltr", None, f"no {LTR_MODEL!r} row in the report")
+    else:
+        gap = float(ltr[METRIC]) - cand
+        record(
+            "ltr",
+            gap <= cfg.max_gap_to_ltr + 1e-12,
+            f"ltr (GBDT) {METRIC} {float(ltr[METRIC]):.4f} - candidate {cand:.4f} = {gap:+.4f} "
+            f"(max {cfg.max_gap_to_ltr})",
         )
 
     validity = float(row.get("validity", 0.0))

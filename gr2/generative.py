@@ -31,7 +31,7 @@ from gr2.decode import ar_generate, diffusion_generate
 from gr2.evidence import FEATURE_NAMES, Evidence
 from gr2.inference import CONFIG_FILE, ITEMS_FILE, RankRequest, RankResult, register_reranker
 from gr2.model import load_model, save_model
-from gr2.prompt import parse_response, render_prompt
+from gr2.prompt import encode_prompt, parse_response
 from gr2.sid import SemanticIds
 from gr2.tokenizer import load_tokenizer
 
@@ -67,6 +67,7 @@ class GenerativeReranker:
         self.block_size = int(config.get("block_size", 0))
         self.max_new_tokens = int(config["max_new_tokens"])
         self.batch_size = int(config.get("batch_size", 32))
+        self.item_tokens = str(config.get("prompt", {}).get("item_tokens", "all"))  # bundles before it: "all"
 
     # ------------------------------------------------------------------ the Reranker protocol
     def known_item(self, item_id: str) -> bool:
@@ -113,7 +114,6 @@ class GenerativeReranker:
                 raise KeyError(f"unknown candidate item ids: {unknown[:5]}")
         x = self.evidence.features_batch(hist, [list(c) for c in candidates])
         buckets = self.evidence.buckets(x)
-        tok = self.tokenizer
         prompts = []
         for i, (hs, cs, b) in enumerate(zip(hist, candidates, buckets, strict=True)):
             if orders is not None:  # each candidate moves with its own buckets
@@ -121,10 +121,16 @@ class GenerativeReranker:
                 if sorted(order) != list(range(len(cs))):
                     raise ValueError(f"orders[{i}] = {order} is not a permutation of 0..{len(cs) - 1}")
                 cs, b = [cs[j] for j in order], b[order]
-            text = render_prompt(
-                [self.sids.codes[h] for h in hs], [self.sids.codes[c] for c in cs], b, FEATURE_NAMES
+            prompts.append(
+                encode_prompt(
+                    self.tokenizer,
+                    [self.sids.codes[h] for h in hs],
+                    [self.sids.codes[c] for c in cs],
+                    b,
+                    FEATURE_NAMES,
+                    self.item_tokens,
+                )
             )
-            prompts.append([tok.bos_token_id, *tok(text, add_special_tokens=False)["input_ids"]])
         return prompts
 
     def decode(

@@ -28,9 +28,9 @@ STAGES = {
 
 USE = (
     "Re-ranks the top-10 candidates of the co-occurrence retriever for a user with an interaction history "
-    "(items known to the semantic-ID table). It writes a short trace (each of its top-3 candidates with the "
-    "evidence the feature store serves for it), then a JSON permutation; an invalid output falls back to the "
-    "upstream order and is counted."
+    "(items known to the semantic-ID table). It writes a short trace (its verdict on every candidate: a score level "
+    "read from the evidence the feature store serves for it), then a JSON permutation; an invalid output falls "
+    "back to the upstream order and is counted."
 )
 LIMITS = (
     "Not for users without history (the prompt carries no signal) or for items outside the catalogue it was "

@@ -1,10 +1,12 @@
 """The one owner of the text format: prompt, trace words, answer JSON, encoding with loss weights, parsing.
 
-Prompt (whitespace-separated closed-vocabulary tokens, ~200 tokens for H = 20, N = 10, 6 features):
-    history <a_3> <b_17> <c_9> <d_0> ... candidates [A] <a_..> <b_..> <c_..> <d_..> <trans_3> <co_1> ... [B] ...
-Response = trace then answer (the answer is valid JSON once the tokens are joined by spaces):
-    step 1 : [C] follows-last-item <trans_3> co-occurs-with-history <co_2> ; step 2 : ... ; top [C] [A] [F]
-    { "ranking" : [ "C" , "A" , ... ] }
+Prompt (whitespace-separated closed-vocabulary tokens). Per candidate: its label and evidence buckets; with
+item_tokens "candidates" also its semantic ID, with "all" also the history's semantic IDs (oldest -> newest):
+    candidates [A] <trans_3> <trec_1> <co_1> <pop_2> <cat_0> <sim_1> <rank_0> [B] ...              (none)
+    history <a_3> <b_17> <c_9> <d_0> ... candidates [A] <a_..> <b_..> <c_..> <d_..> <trans_3> ... [B] ...   (all)
+Response = trace then answer (the answer is valid JSON once the tokens are joined by spaces). The trace is the
+reasoning teacher's verdict on each candidate, in prompt order: a score level 0 (weak) .. L-1 (strongest):
+    [A] <score_5> [B] <score_0> [C] <score_7> ... [J] <score_2> { "ranking" : [ "C" , "A" , ... ] }
 """
 
 from __future__ import annotations
@@ -19,10 +21,9 @@ import numpy as np
 from gr2.sid import sid_token
 
 # --- vocabulary pieces --------------------------------------------------------------------------------------
-HISTORY, CANDIDATES, TOP = "history", "candidates", "top"
-STEP, COLON, SEMI = "step", ":", ";"
-NO_SIGNAL = "no-strong-signal"
+HISTORY, CANDIDATES = "history", "candidates"
 JSON_TOKENS = ["{", "}", '"ranking"', ":", "[", "]", ","]
+ITEM_TOKENS = ("none", "candidates", "all")  # which semantic IDs a prompt shows (PromptConfig.item_tokens)
 
 # Evidence feature name -> short token stem, matched by keyword in order (the evidence module owns the names).
 _ALIAS_RULES = [
@@ -39,19 +40,6 @@ _ALIAS_RULES = [
     ("rank", "rank"),
     ("recen", "rec"),
 ]
-# What a strong bucket of each feature means, in words (the trace vocabulary). Each phrase is ONE token: a
-# multi-word phrase ("follows" "last" "item") makes the block-diffusion decoder commit its words one round at a
-# time (each word depends on the one before it), and its words carry nothing the single token does not.
-FEATURE_PHRASES = {
-    "trans": "follows-last-item",
-    "trec": "follows-recent-items",
-    "co": "co-occurs-with-history",
-    "pop": "is-popular",
-    "cat": "shares-category-with-history",
-    "sim": "similar-to-history",
-    "rank": "ranked-high-by-retriever",
-    "rec": "matches-recent-items",
-}
 
 
 def feature_alias(name: str) -> str:
@@ -77,12 +65,22 @@ def feature_aliases(feature_names: Sequence[str] | None, n_features: int) -> lis
     return out
 
 
-def feature_phrase(alias: str) -> str:
-    return FEATURE_PHRASES.get(alias.rstrip("0123456789"), f"{alias}-signal")
-
-
 def bucket_token(alias: str, bucket: int) -> str:
     return f"<{alias}_{int(bucket)}>"
+
+
+def score_token(level: int) -> str:
+    """A candidate's score level in the trace: <score_0> (weak) .. <score_{L-1}> (strongest evidence)."""
+    return f"<score_{int(level)}>"
+
+
+def render_trace(score_levels: Sequence[int]) -> str:
+    """The trace: every candidate's label followed by its score level, in prompt order.
+
+    Why this trace: scoring a candidate only needs that candidate's own evidence (a local computation), and the
+    answer then orders explicit score tokens. Without the trace the answer's first token has to score and
+    compare all N candidates at once (README: what the trace buys)."""
+    return " ".join(f"{label_token(i)} {score_token(level)}" for i, level in enumerate(score_levels))
 
 
 def label_token(i: int) -> str:
@@ -96,17 +94,14 @@ def answer_label_token(i: int) -> str:
 
 
 def format_vocabulary(
-    feature_names: Sequence[str] | None, n_features: int, n_buckets: int, max_labels: int
+    feature_names: Sequence[str] | None, n_features: int, n_buckets: int, max_labels: int, score_levels: int
 ) -> list[str]:
     """Every non-SID, non-special token the format can emit, in a stable order (the tokenizer's vocabulary)."""
     aliases = feature_aliases(feature_names, n_features)
-    words = [HISTORY, CANDIDATES, TOP, STEP, COLON, SEMI, *NO_SIGNAL.split()]
-    words += [str(i) for i in range(1, max_labels + 1)]  # step numbers
-    for a in aliases:
-        words += feature_phrase(a).split()
-    toks = words + JSON_TOKENS
+    toks = [HISTORY, CANDIDATES, *JSON_TOKENS]
     toks += [label_token(i) for i in range(max_labels)] + [answer_label_token(i) for i in range(max_labels)]
     toks += [bucket_token(a, b) for a in aliases for b in range(n_buckets)]
+    toks += [score_token(level) for level in range(score_levels)]
     return list(dict.fromkeys(toks))  # de-duplicate, keep order
 
 
@@ -120,15 +115,35 @@ def render_prompt(
     candidate_sids: Sequence[Sequence[int]],
     evidence_buckets: np.ndarray | Sequence[Sequence[int]],
     feature_names: Sequence[str] | None = None,
+    item_tokens: str = "all",
 ) -> str:
-    """Prompt text: history SIDs (oldest -> newest), then per candidate its label, SID and evidence buckets."""
+    """Prompt text: per candidate its label and evidence buckets; `item_tokens` says which semantic IDs are
+    shown too ("none", "candidates": each candidate's, "all": also the history's, oldest -> newest)."""
+    if item_tokens not in ITEM_TOKENS:
+        raise ValueError(f"item_tokens must be one of {ITEM_TOKENS}, got {item_tokens!r}")
     buckets = np.asarray(evidence_buckets, dtype=np.int64).reshape(len(candidate_sids), -1)
     aliases = feature_aliases(feature_names, buckets.shape[1])
-    parts = [HISTORY, *(_sid_text(s) for s in history_sids), CANDIDATES]
+    parts = [HISTORY, *(_sid_text(s) for s in history_sids)] if item_tokens == "all" else []
+    parts.append(CANDIDATES)
     for i, sid in enumerate(candidate_sids):
         ev = " ".join(bucket_token(a, b) for a, b in zip(aliases, buckets[i], strict=True))
-        parts.append(f"{label_token(i)} {_sid_text(sid)} {ev}".rstrip())
+        item = f" {_sid_text(sid)}" if item_tokens != "none" else ""
+        parts.append(f"{label_token(i)}{item} {ev}".rstrip())
     return " ".join(parts)
+
+
+def encode_prompt(
+    tokenizer: Any,
+    history_sids: Sequence[Sequence[int]],
+    candidate_sids: Sequence[Sequence[int]],
+    evidence_buckets: np.ndarray | Sequence[Sequence[int]],
+    feature_names: Sequence[str] | None = None,
+    item_tokens: str = "all",
+) -> list[int]:
+    """<bos> + the prompt's token ids: the one tokenisation of a prompt, for training and serving alike.
+    Raises if any token falls outside the vocabulary: a silent <unk> would train or serve garbage."""
+    text = render_prompt(history_sids, candidate_sids, evidence_buckets, feature_names, item_tokens)
+    return [tokenizer.bos_token_id, *_encode(tokenizer, text)]
 
 
 def render_answer(ranking_labels: Sequence[int | str]) -> str:
@@ -153,14 +168,16 @@ def encode_example(
     feature_names: Sequence[str] | None = None,
     answer_weight: float = 1.0,
     trace_weight: float = 0.5,
+    item_tokens: str = "all",
 ) -> tuple[list[int], list[int], list[float]]:
-    """(prompt_ids, response_ids, response_weights): <bos> + prompt; trace + answer + <eos>.
+    """(prompt_ids, response_ids, response_weights): `encode_prompt`; trace + answer + <eos>.
 
     Answer tokens (and <eos>) weigh answer_weight, trace tokens trace_weight (GR2: lambda_r < lambda_o).
     Raises if any token falls outside the vocabulary: a silent <unk> would train on garbage.
     """
-    prompt = render_prompt(history_sids, candidate_sids, evidence_buckets, feature_names)
-    p_ids = [tokenizer.bos_token_id, *_encode(tokenizer, prompt)]
+    p_ids = encode_prompt(
+        tokenizer, history_sids, candidate_sids, evidence_buckets, feature_names, item_tokens
+    )
     t_ids = _encode(tokenizer, trace) if trace else []
     a_ids = [*_encode(tokenizer, render_answer(ranking)), tokenizer.eos_token_id]
     weights = [trace_weight] * len(t_ids) + [answer_weight] * len(a_ids)

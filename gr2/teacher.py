@@ -1,12 +1,22 @@
-"""The reasoning teacher: a scorer over the evidence features, verbalised into short traces for SFT.
+"""The reasoning teacher: a listwise scorer over the evidence features that writes the SFT data.
 
-GR2 used a 32B LLM with rejection sampling; we have none, so the teacher is a conditional-logit (listwise
-softmax) model over the evidence features (transition from the last/recent items, co-occurrence with the
-history, popularity, category overlap, title similarity, retriever rank), their squares and pairwise products, fit on TRAINING
-lists and checked on validation. Its scores define a Plackett-Luce distribution over rankings; rejection
-sampling keeps the first sampled ranking that puts the held-out item first (else the example is dropped).
-The trace cites the top-k candidates of that ranking with the evidence that most raised each one's score
-(DESIGN.md: the teacher's top-3 labels with their evidence before the answer lifted R@1 0.393 -> 0.414).
+GR2 distils the reasoning of a 32B LLM; we have none, so the teacher is a conditional-logit (listwise softmax)
+model over the evidence features (transition from the last/recent items, co-occurrence with the history,
+popularity, category overlap, title similarity, retriever rank), their squares and pairwise products, fit on
+TRAINING lists. It writes every SFT target:
+
+- the trace: its verdict on every candidate, a score level 0..L-1 in prompt order (gr2/prompt.py
+  `render_trace`). The levels are quantiles of the training candidates' scores, finer at the top, where the
+  answer's first label is decided;
+- the answer (TeacherConfig.answer): "teacher", the teacher's own ranking: the answer orders the verdicts the
+  trace has just written, a deterministic function of the prompt that a small model learns closely; or
+  "label", the held-out item first and then the teacher's order, which also asks the answer to guess where
+  the teacher is wrong (noisy on weak-signal data). The held-out items' reward comes in at RL.
+
+The trace never depends on the held-out item: it carries what the evidence says. GR2's rejection sampling
+(sample rankings until one puts the held-out item first, then explain that one) dropped the lists the teacher
+gets wrong, and its trace named the answer before the answer did (README: "closing the distillation gap" has
+the measurements).
 """
 
 from __future__ import annotations
@@ -24,18 +34,7 @@ from scipy.optimize import minimize
 from tqdm import tqdm
 
 from gr2.config import Profile, TeacherConfig
-from gr2.prompt import (
-    COLON,
-    NO_SIGNAL,
-    SEMI,
-    STEP,
-    TOP,
-    bucket_token,
-    encode_example,
-    feature_aliases,
-    feature_phrase,
-    label_token,
-)
+from gr2.prompt import encode_example, render_trace
 from gr2.sid import SemanticIds
 
 log = logging.getLogger(__name__)
@@ -46,37 +45,40 @@ log = logging.getLogger(__name__)
 
 def _expand(x: np.ndarray) -> np.ndarray:
     """[..., F] -> [..., E]: features, their squares and pairwise products (curvature and interactions for a
-    linear listwise model; on Beauty the products lift validation R@1 0.389 -> 0.398)."""
+    linear listwise model)."""
     f = x.shape[-1]
     prods = [x[..., i : i + 1] * x[..., j : j + 1] for i in range(f) for j in range(i + 1, f)]
     return np.concatenate([x, x * x, *prods], axis=-1)
 
 
-def _attribution(f: int) -> np.ndarray:
-    """[E, F]: which raw features each expanded column belongs to (products split half-half)."""
-    m = [np.eye(f), np.eye(f)]
-    for i in range(f):
-        for j in range(i + 1, f):
-            row = np.zeros((1, f))
-            row[0, i] = row[0, j] = 0.5
-            m.append(row)
-    return np.concatenate(m, axis=0)
+def score_quantiles(levels: int) -> np.ndarray:
+    """Quantiles of the training candidates' scores that separate the trace's score levels: the top level holds
+    about 2% of all candidates, and each level below it holds ~1.7x as many as the one above (the bottom level
+    half of them). Most of the resolution sits where the candidates that can come first are."""
+    return 1.0 - 0.5 * 0.6 ** np.arange(max(levels - 1, 0))
 
 
 @dataclass
 class Teacher:
-    """Listwise softmax scorer s(c) = w . standardise([x_c, x_c^2, x_ci * x_cj])."""
+    """Listwise softmax scorer s(c) = w . standardise([x_c, x_c^2, x_ci * x_cj]) with score-level edges."""
 
     weights: np.ndarray  # [E]
     mean: np.ndarray  # [E]
     std: np.ndarray  # [E]
     feature_names: tuple[str, ...]
+    score_edges: np.ndarray  # [L - 1] ascending: level = number of edges a score exceeds
 
     @classmethod
     def fit(
-        cls, features: np.ndarray, labels: np.ndarray, feature_names: Sequence[str], l2: float = 1e-3
+        cls,
+        features: np.ndarray,
+        labels: np.ndarray,
+        feature_names: Sequence[str],
+        l2: float = 1e-3,
+        score_levels: int = 8,
     ) -> Teacher:
-        """Maximise mean log softmax(score)[label] over training lists [L, N, F] (L-BFGS, ridge l2)."""
+        """Maximise mean log softmax(score)[label] over training lists [L, N, F] (L-BFGS, ridge l2), then place the
+        score-level edges at `score_quantiles` of the fitted scores of these lists."""
         z = _expand(np.asarray(features, dtype=np.float64))
         mean = z.reshape(-1, z.shape[-1]).mean(0)
         std = z.reshape(-1, z.shape[-1]).std(0) + 1e-8
@@ -97,20 +99,16 @@ class Teacher:
         res = minimize(
             loss_grad, np.zeros(z.shape[-1]), jac=True, method="L-BFGS-B", options={"maxiter": 500}
         )
-        return cls(weights=res.x, mean=mean, std=std, feature_names=tuple(feature_names))
-
-    def _z(self, features: np.ndarray) -> np.ndarray:
-        return (_expand(np.asarray(features, dtype=np.float64)) - self.mean) / self.std
+        edges = np.quantile(z @ res.x, score_quantiles(score_levels)) if len(labels) else np.zeros(0)
+        return cls(res.x, mean, std, tuple(feature_names), np.asarray(edges, dtype=np.float64))
 
     def scores(self, features: np.ndarray) -> np.ndarray:
         """[..., N, F] -> [..., N] (higher = better)."""
-        return self._z(features) @ self.weights
+        return ((_expand(np.asarray(features, dtype=np.float64)) - self.mean) / self.std) @ self.weights
 
-    def contributions(self, features: np.ndarray) -> np.ndarray:
-        """[..., N, F]: how much each raw feature (its linear, square and half of its product terms) raises a candidate's score above the
-        list average: the teacher's own reasons, used to choose what the trace cites."""
-        per = (self._z(features) * self.weights) @ _attribution(len(self.feature_names))
-        return per - per.mean(axis=-2, keepdims=True)
+    def levels(self, features: np.ndarray) -> np.ndarray:
+        """[..., N, F] -> [..., N] integer score levels 0 .. len(score_edges) (the trace's tokens)."""
+        return np.searchsorted(self.score_edges, self.scores(features), side="right")
 
     def rank(self, features: np.ndarray) -> np.ndarray:
         """[..., N] candidate indices, best first (stable: ties keep retriever order)."""
@@ -121,16 +119,14 @@ class Teacher:
         return float((r == np.asarray(labels)[:, None]).any(1).mean())
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(
-            json.dumps(
-                {
-                    "weights": self.weights.tolist(),
-                    "mean": self.mean.tolist(),
-                    "std": self.std.tolist(),
-                    "feature_names": list(self.feature_names),
-                }
-            )
-        )
+        raw = {
+            "weights": self.weights.tolist(),
+            "mean": self.mean.tolist(),
+            "std": self.std.tolist(),
+            "feature_names": list(self.feature_names),
+            "score_edges": self.score_edges.tolist(),
+        }
+        Path(path).write_text(json.dumps(raw))
 
     @classmethod
     def load(cls, path: str | Path) -> Teacher:
@@ -140,91 +136,37 @@ class Teacher:
             mean=np.asarray(raw["mean"]),
             std=np.asarray(raw["std"]),
             feature_names=tuple(raw["feature_names"]),
+            score_edges=np.asarray(raw["score_edges"], dtype=np.float64),
         )
 
 
-# ----------------------------------------------------------------------------- sampling and traces
+def fit_teacher(
+    features: np.ndarray,
+    labels: np.ndarray,
+    feature_names: Sequence[str],
+    cfg: TeacherConfig,
+    score_levels: int,
+    seed: int = 0,
+) -> Teacher:
+    """Fit on (a seeded subsample of at most cfg.max_train_lists) training lists."""
+    idx = np.arange(len(labels))
+    if cfg.max_train_lists and len(idx) > cfg.max_train_lists:
+        idx = np.sort(np.random.default_rng(seed).choice(idx, cfg.max_train_lists, replace=False))
+    return Teacher.fit(features[idx], np.asarray(labels)[idx], feature_names, cfg.l2, score_levels)
 
 
-def sample_ranking(scores: np.ndarray, rng: np.random.Generator, temperature: float = 1.0) -> np.ndarray:
-    """One Plackett-Luce sample = Gumbel-top-k over scores / temperature."""
-    g = rng.gumbel(size=len(scores))
-    return np.argsort(-(np.asarray(scores) / max(temperature, 1e-6) + g), kind="stable")
+ANSWERS = ("teacher", "label")
 
 
-def rejection_sample(
-    scores: np.ndarray,
-    label: int,
-    rng: np.random.Generator,
-    cfg: TeacherConfig = TeacherConfig(),
-) -> tuple[np.ndarray | None, int]:
-    """(ranking with `label` first, tries used) or (None, tries) when no try put the held-out item first.
-
-    The first try is the teacher's own ranking when cfg.greedy_first (its belief, not a lucky sample).
-    """
-    for t in range(cfg.max_tries):
-        if t == 0 and cfg.greedy_first:
-            r = np.argsort(-np.asarray(scores), kind="stable")
-        else:
-            r = sample_ranking(scores, rng, cfg.temperature)
-        if r[0] == label:
-            return r, t + 1
-    return None, cfg.max_tries
-
-
-def answer_order(ranking: Sequence[int], top_k: int, tail_order: str = "retriever") -> np.ndarray:
-    """The answer's permutation: the top_k of `ranking` (what the trace argues for), then the rest either in
-    retriever order ("retriever": ascending index, a pattern a small model learns exactly) or as sampled."""
-    r = [int(i) for i in ranking]
-    if tail_order == "sampled":
-        return np.asarray(r)
-    if tail_order != "retriever":
-        raise ValueError(f"tail_order must be 'retriever' or 'sampled', got {tail_order!r}")
-    head = r[:top_k]
-    return np.asarray(head + sorted(i for i in r if i not in head))
-
-
-def make_trace(
-    evidence_buckets: np.ndarray,
-    scores: np.ndarray,
-    ranking: Sequence[int] | None = None,
-    feature_names: Sequence[str] | None = None,
-    contributions: np.ndarray | None = None,
-    top_k: int = 3,
-    reasons_per_item: int = 2,
-) -> str:
-    """Structured steps citing the top_k candidates of `ranking` with their strongest evidence, then the top list:
-
-        step 1 : [C] follows-last-item <trans_3> co-occurs-with-history <co_2> ; step 2 : ... ; top [C] [A] [F]
-
-    A feature is cited for a candidate when its bucket is > 0 and it raised that candidate's score
-    (contributions [N, F], e.g. Teacher.contributions; default: the buckets themselves), strongest first.
-    `ranking` is the (rejection-sampled) ranking the answer will state; None = the teacher's order by `scores`.
-
-    Three other traces were trained and measured on Beauty (bench profile, same pipeline, tau 0.9) and dropped.
-    The first two lost on speed, the third on accuracy:
-    - each cited candidate's whole evidence row: the diffusion model committed evidence that is likely for any
-      strong candidate one token per round, ahead of the label it describes (2.09 tokens per forward after CFT,
-      against 2.47 for this trace);
-    - each cited candidate's semantic ID: it copied each code token only after the one before it (2.39);
-    - the shortlist alone ("[C] [A] [F]"): 3.28 tokens per forward after CFT and 4.05 after RL. But the AR
-      teacher's validation R@1 fell from 0.375 to 0.325, the student's to 0.285, and CFT's validity to 0.575.
-    """
-    b = np.asarray(evidence_buckets, dtype=np.int64)
-    contrib = b.astype(np.float64) if contributions is None else np.asarray(contributions, dtype=np.float64)
-    aliases = feature_aliases(feature_names, b.shape[1])
-    if ranking is None:
-        ranking = np.argsort(-np.asarray(scores), kind="stable")
-    steps = []
-    top = [int(i) for i in ranking[:top_k]]
-    for k, i in enumerate(top):
-        order = np.argsort(-contrib[i], kind="stable")
-        cited = [f for f in order if b[i, f] > 0 and contrib[i, f] > 0][:reasons_per_item]
-        reasons = [f"{feature_phrase(aliases[f])} {bucket_token(aliases[f], b[i, f])}" for f in cited]
-        steps.append(
-            f"{STEP} {k + 1} {COLON} {label_token(i)} {' '.join(reasons) if reasons else NO_SIGNAL} {SEMI}"
-        )
-    return " ".join([*steps, TOP, *(label_token(i) for i in top)])
+def answer_ranking(scores: Sequence[float], label: int, answer: str = "teacher") -> list[int]:
+    """The SFT answer: every candidate by descending teacher score (ties keep the retriever order); with
+    answer "label" the held-out item is moved to the front."""
+    if answer not in ANSWERS:
+        raise ValueError(f"teacher.answer must be one of {ANSWERS}, got {answer!r}")
+    order = [int(i) for i in np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")]
+    if answer == "teacher":
+        return order
+    return [int(label), *(i for i in order if i != label)]
 
 
 # ----------------------------------------------------------------------------- SFT records
@@ -236,24 +178,7 @@ class SFTRecord(NamedTuple):
     response_weights: list[float]
 
 
-def evidence_features(examples: pd.DataFrame, evidence: Any) -> np.ndarray:
-    """Features [L, N, F] from a fitted gr2.evidence.Evidence. Training examples subtract their own target
-    interaction (own_target), as the retriever does, so training and test features match in distribution."""
-    own = [t if s == "train" else None for t, s in zip(examples["target"], examples["split"], strict=True)]
-    return evidence.features_batch(examples["history"].tolist(), examples["candidates"].tolist(), own)
-
-
-def fit_teacher(
-    features: np.ndarray, labels: np.ndarray, feature_names: Sequence[str], cfg: TeacherConfig, seed: int = 0
-) -> Teacher:
-    """Fit on (a seeded subsample of at most cfg.max_train_lists) training lists."""
-    idx = np.arange(len(labels))
-    if cfg.max_train_lists and len(idx) > cfg.max_train_lists:
-        idx = np.sort(np.random.default_rng(seed).choice(idx, cfg.max_train_lists, replace=False))
-    return Teacher.fit(features[idx], np.asarray(labels)[idx], feature_names, cfg.l2)
-
-
-def build_sft_records_from_arrays(
+def build_sft_records(
     examples: pd.DataFrame,
     features: np.ndarray,
     buckets: np.ndarray,
@@ -262,94 +187,49 @@ def build_sft_records_from_arrays(
     teacher: Teacher,
     tokenizer: Any,
     cfg: Profile,
-    seed: int = 0,
     variant: str = "trace",
     stats: dict | None = None,
 ) -> list[SFTRecord]:
-    """One record per kept example. variant "trace": trace + answer; "ar_no_trace": answer only, with the
-    same rejection-sampled rankings (same seed), so the two variants differ only by the trace."""
+    """One record per training list of `examples` (features [L, N, F] and their buckets in the same row order).
+
+    variant "trace": trace + answer; "ar_no_trace": the same answer alone, so the two variants differ only by
+    the trace."""
     if variant not in ("trace", "ar_no_trace"):
         raise ValueError(f"variant must be 'trace' or 'ar_no_trace', got {variant!r}")
-    tc = cfg.teacher
-    rng = np.random.default_rng(seed)
     scores = teacher.scores(features)
-    contrib = teacher.contributions(features)
-    records: list[SFTRecord] = []
-    tries, trace_len, answer_len, prompt_len, kept_rows = [], [], [], [], []
+    levels = teacher.levels(features)
     labels = examples["label"].to_numpy()
-    for r, (hist, cands) in enumerate(
-        tqdm(
-            zip(examples["history"], examples["candidates"], strict=True),
-            total=len(examples),
-            disable=None,
-            desc=f"sft records ({variant})",
-        )
-    ):
-        ranking, n_try = rejection_sample(scores[r], int(labels[r]), rng, tc)
-        tries.append(n_try)
-        if ranking is None:
-            continue
-        ranking = answer_order(ranking, tc.top_k, tc.tail_order)
-        trace = None
-        if variant == "trace":
-            trace = make_trace(
-                buckets[r], scores[r], ranking, feature_names, contrib[r], tc.top_k, tc.reasons_per_item
-            )
+    item_tokens = cfg.prompt.item_tokens
+    records: list[SFTRecord] = []
+    trace_len, prompt_len = [], []
+    rows = zip(examples["history"], examples["candidates"], strict=True)
+    for r, (hist, cands) in enumerate(tqdm(rows, total=len(examples), disable=None, desc=f"sft ({variant})")):
+        trace = render_trace(levels[r]) if variant == "trace" else None
         p, resp, w = encode_example(
             tokenizer,
-            [sids.codes[i] for i in hist],
+            [sids.codes[i] for i in hist if i in sids.codes],
             [sids.codes[c] for c in cands],
             buckets[r],
-            [int(i) for i in ranking],
+            answer_ranking(scores[r], int(labels[r]), cfg.teacher.answer),
             trace,
             feature_names,
             cfg.sft.answer_weight,
             cfg.sft.trace_weight,
+            item_tokens,
         )
         records.append(SFTRecord(p, resp, w))
-        kept_rows.append(r)
-        n_trace = len(trace.split()) if trace else 0  # whitespace word-level: one token per word
-        trace_len.append(n_trace)
-        answer_len.append(len(resp) - n_trace)
+        trace_len.append(len(trace.split()) if trace else 0)  # whitespace word-level: one token per word
         prompt_len.append(len(p))
-        if r and r % 5000 == 0:
-            log.info("sft records %s: %d/%d examples, kept %d", variant, r, len(examples), len(records))
     if stats is not None:
+        answer_len = [len(rec.response_ids) - t for rec, t in zip(records, trace_len, strict=True)]
         stats.update(
             variant=variant,
-            n_examples=len(examples),
-            n_kept=len(records),
-            kept_frac=len(records) / max(len(examples), 1),
-            mean_tries=float(np.mean(tries)) if tries else 0.0,
+            n_records=len(records),
             mean_prompt_tokens=float(np.mean(prompt_len)) if prompt_len else 0.0,
             max_prompt_tokens=int(max(prompt_len)) if prompt_len else 0,
             mean_trace_tokens=float(np.mean(trace_len)) if trace_len else 0.0,
             mean_answer_tokens=float(np.mean(answer_len)) if answer_len else 0.0,
-            kept_rows=kept_rows,  # row of `examples` behind each record
+            # How often the teacher's own first choice is the held-out item on these training lists.
+            teacher_recall_at_1=float((np.argmax(scores, axis=1) == labels).mean()) if len(labels) else 0.0,
         )
     return records
-
-
-def build_sft_records(
-    examples: pd.DataFrame,
-    evidence: Any,
-    sids: SemanticIds,
-    teacher: Teacher,
-    tokenizer: Any,
-    cfg: Profile,
-    seed: int = 0,
-    variant: str = "trace",
-    stats: dict | None = None,
-) -> list[SFTRecord]:
-    """SFT records (prompt_ids, response_ids, response_weights) for the training examples of `examples`,
-    with evidence computed by a fitted gr2.evidence.Evidence (features_batch + buckets; bucket edges are fitted
-    on these training lists when the Evidence has none yet)."""
-    train = examples[examples["split"] == "train"].reset_index(drop=True)
-    x = evidence_features(train, evidence)
-    if getattr(evidence, "bucket_edges", None) is None:  # bucket edges come from training features only
-        log.info("evidence buckets not fitted yet: fitting them on the %d training lists", len(train))
-        evidence.fit_buckets(x)
-    b = evidence.buckets(x)
-    return build_sft_records_from_arrays(
-        train, x, b, teacher.feature_names, sids, teacher, tokenizer, cfg, seed, variant, stats
-    )

@@ -1,8 +1,8 @@
 """A real Hugging Face tokenizer over the closed vocabulary (WordLevel model, whitespace-split pre-tokenizer).
 
 Vocabulary: special tokens, SID code tokens per level (<a_k> <b_k> <c_k> <d_k>), candidate labels ([A] in the
-prompt and trace, "A" in the JSON answer), evidence bucket tokens per feature, the trace words and JSON
-punctuation (all listed by gr2.prompt.format_vocabulary). Saved/loaded with save_pretrained/from_pretrained.
+prompt and trace, "A" in the JSON answer), evidence bucket tokens per feature, the trace's score levels and
+JSON punctuation (all listed by gr2.prompt.format_vocabulary). Saved/loaded with save_pretrained/from_pretrained.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ def build_vocab(
     n_features: int | None = None,
     n_buckets: int = 4,
     max_labels: int = 26,
+    score_levels: int = 8,
 ) -> list[str]:
     """Ordered vocabulary: specials, SID tokens level by level, then the format's tokens."""
     n_features = len(feature_names) if feature_names is not None else (n_features or 0)
     sid = [sid_token(level, c) for level, k in enumerate(codebook_sizes) for c in range(k)]
-    fmt = format_vocabulary(feature_names, n_features, n_buckets, max_labels)
+    fmt = format_vocabulary(feature_names, n_features, n_buckets, max_labels, score_levels)
     return list(dict.fromkeys([*SPECIAL_TOKENS, *sid, *fmt]))
 
 
@@ -43,7 +44,9 @@ def build_tokenizer(
     model_max_length: int = 1024,
 ) -> PreTrainedTokenizerFast:
     """Wrap a `tokenizers` WordLevel model as PreTrainedTokenizerFast (with pad/bos/eos/mask/unk set)."""
-    vocab = build_vocab(codebook_sizes, feature_names, n_features, cfg.n_buckets, cfg.max_labels)
+    vocab = build_vocab(
+        codebook_sizes, feature_names, n_features, cfg.n_buckets, cfg.max_labels, cfg.score_levels
+    )
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # '<a_12>' and '"ranking"' stay whole
     fast = PreTrainedTokenizerFast(
@@ -62,8 +65,10 @@ def build_tokenizer(
 def tokenizer_for(
     sids: SemanticIds, feature_names: Sequence[str] | None, cfg: PromptConfig = PromptConfig()
 ) -> PreTrainedTokenizerFast:
-    """The tokenizer for a set of semantic IDs and the evidence features shown in prompts."""
-    return build_tokenizer(sids.codebook_sizes, feature_names, cfg=cfg)
+    """The tokenizer for the prompts of `cfg`: semantic-ID tokens only when the prompt shows items
+    (cfg.item_tokens != "none"; unused output classes would only cost softmax work), and the evidence features."""
+    sizes = sids.codebook_sizes if cfg.item_tokens != "none" else ()
+    return build_tokenizer(sizes, feature_names, cfg=cfg)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

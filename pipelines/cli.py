@@ -205,21 +205,26 @@ def evaluate_models(
     examples: Path = typer.Option(..., help="examples parquet"),
     floor_report: Path = typer.Option(..., help="report folder from `gr2 evaluate` (floor/popularity/ltr)"),
     out: Path = typer.Option(..., help="report folder (report.json / report.md / plots)"),
-    ar: Path = typer.Option(None, help="AR teacher folder"),
+    ar: Path = typer.Option(..., help="AR teacher folder (SFT + RL): the speed baseline"),
+    sft_data: Path = typer.Option(
+        None, help="sft_data folder (`gr2 prepare-sft`): adds the reasoning teacher's row"
+    ),
+    ar_sft: Path = typer.Option(None, help="AR teacher after SFT only"),
     ar_no_trace: Path = typer.Option(None, help="no-trace AR folder"),
     naive: Path = typer.Option(None, help="naive converted folder"),
     cft: Path = typer.Option(None, help="CFT folder"),
+    opd: Path = typer.Option(None, help="on-policy distilled student folder"),
+    rl: Path = typer.Option(None, help="RL student folder (the deployable model)"),
     profile: str = typer.Option("quick"),
 ) -> None:
     """The stage table: floor rows plus every model given, with speed; prints it."""
     from components._lib import model_steps
     from components._lib.report_io import table_markdown
 
-    bundles = {"ar": ar, "ar_no_trace": ar_no_trace, "naive": naive, "cft": cft}
+    bundles = {"ar_sft": ar_sft, "ar": ar, "ar_no_trace": ar_no_trace, "naive": naive, "cft": cft}
+    bundles |= {"opd": opd, "rl": rl}
     bundles = {k: v for k, v in bundles.items() if v is not None}
-    if not bundles:
-        raise typer.BadParameter("give at least one of --ar / --ar-no-trace / --naive / --cft")
-    typer.echo(table_markdown(model_steps.evaluate(examples, floor_report, bundles, out, profile)))
+    typer.echo(table_markdown(model_steps.evaluate(examples, floor_report, bundles, out, profile, sft_data)))
 
 
 @app.command()

@@ -22,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from components._lib.paths import repo_relative
 from gr2.config import Profile, load_profile
 from gr2.generative import GenerativeReranker
 from gr2.metrics import apply_fallback, evaluate
@@ -80,7 +81,7 @@ def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> 
     }
     top1 = top1_breakdown(ranks[a], ranks[b], [int(y) for y in df["label"]], a, b)
     return {
-        "run": str(run),
+        "run": repo_relative(str(Path(run).resolve())),
         "a": a,
         "b": b,
         "split": split,

@@ -62,6 +62,7 @@ def _model_stages(sources, examples, profile, dataset, candidate, canary_percent
         evaluate_models(
             examples=examples,
             floor_report=floor.outputs["report"],
+            sft_data=data,
             ar_sft_model=ar_sft.outputs["model"],
             ar_model=ar.outputs["model"],
             ar_no_trace_model=ar_nt.outputs["model"],

@@ -20,7 +20,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from components._lib.paths import REPO_ROOT
+from components._lib.paths import REPO_ROOT, repo_relative
 from components._lib.report_io import table_markdown
 
 
@@ -132,7 +132,8 @@ def run_local(
         if benchmark_dir:
             bench = Path(benchmark_dir)
             bench.mkdir(parents=True, exist_ok=True)
-            shutil.copy(run_dir / "report.json", bench / f"{label}.json")
+            bench_report = repo_relative(json.loads((run_dir / "report.json").read_text()))
+            (bench / f"{label}.json").write_text(json.dumps(bench_report, indent=1) + "\n")
             md = (run_dir / "report.md").read_text()
             for name in report.get("plots", []):
                 shutil.copy(run_dir / name, bench / f"{label}_{name}")

@@ -124,12 +124,15 @@ def evaluate(
     bundles: dict[str, str | Path],
     out_dir: str | Path,
     profile: str | Profile,
+    sft_dir: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Add the generative rows and the speed list to the floor report; plots; write report.json / report.md."""
+    """Add the reasoning teacher's row (from `sft_dir`), the generative rows and the speed list to the floor
+    report; plots; write report.json / report.md."""
     from components._lib.report_io import write_report
     from gr2.model_card import write_model_cards
     from gr2.plots import plot_frontier, plot_training_curves
-    from gr2.stages.evaluate import evaluate_generative
+    from gr2.stages.evaluate import evaluate_generative, teacher_row
+    from gr2.stages.prepare import SFTData
 
     t0 = time.perf_counter()
     prof = _profile(profile)
@@ -140,6 +143,8 @@ def evaluate(
     report = json.loads((Path(floor_report_dir) / "report.json").read_text())
     paths = {name: bundle_dir(p) for name, p in bundles.items() if p}
     rows, speed = evaluate_generative(paths, test, prof)
+    if sft_dir is not None:
+        rows = [teacher_row(SFTData.load(sft_dir), test, prof), *rows]
     report["rows"] = report["rows"] + rows
     report["speed"] = speed
     report["training"] = {

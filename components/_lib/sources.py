@@ -80,6 +80,7 @@ def write_sources(
     history_len: int,
     item_tables: pd.DataFrame | None = None,
     snapshot_date: str = "",
+    eval_positions: int = 1,
 ) -> dict:
     """Write the sources folder (see module docstring); returns meta.json's content."""
     out = Path(out_dir)
@@ -101,6 +102,7 @@ def write_sources(
     meta = {
         "dataset": dataset.name,
         "history_len": history_len,
+        "eval_positions": eval_positions,  # the split (gr2.data.split) every later step of this run uses
         "snapshot_date": snapshot_date,
         "item_snapshot_ts": snapshot_ts.isoformat(),
         "min_event_ts": ts.min().isoformat(),

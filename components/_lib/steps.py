@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from components._lib import sources
@@ -38,7 +39,9 @@ def item_tables(ds: Dataset, profile: Profile) -> pd.DataFrame | None:
     from gr2.data.split import train_sequences
     from gr2.evidence import Evidence
 
-    return Evidence.fit(train_sequences(ds), ds.items, profile.evidence).item_tables()
+    return Evidence.fit(
+        train_sequences(ds, profile.data.eval_positions), ds.items, profile.evidence
+    ).item_tables()
 
 
 def ingest(
@@ -55,7 +58,9 @@ def ingest(
     # An unset snapshot date is the run's own UTC date: every night's data is stamped with its real date.
     snapshot_date = snapshot_date or time.strftime("%Y-%m-%d", time.gmtime())
     ds = _slice_users(load_dataset(resolve_dataset(dataset, cache_dir)), max_users)
-    meta = sources.write_sources(ds, out_dir, prof.data.history_len, item_tables(ds, prof), snapshot_date)
+    meta = sources.write_sources(
+        ds, out_dir, prof.data.history_len, item_tables(ds, prof), snapshot_date, prof.data.eval_positions
+    )
     meta["seconds"] = round(time.perf_counter() - t0, 2)
     return meta
 
@@ -83,7 +88,9 @@ def extract(
 
     t0 = time.perf_counter()
     store = feast_io.open_store(store_dir, fs_yaml or None)
-    targets = feast_io.historical_targets(store, sources.read_dataset(sources_dir).interactions)
+    # The split was fixed at ingest (profile data.eval_positions, recorded in meta.json).
+    k = int(sources.read_meta(sources_dir).get("eval_positions", 1))
+    targets = feast_io.historical_targets(store, sources.read_dataset(sources_dir).interactions, k)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     targets.to_parquet(out_path, index=False)
     counts = targets["split"].value_counts().to_dict()
@@ -112,8 +119,11 @@ def validate(
         raise ValueError(f"stage must be 'targets' or 'examples', not {stage!r}")
     ds = sources.read_dataset(sources_dir)
     table = pd.read_parquet(table_path)
-    n_candidates = _profile(profile).data.n_candidates if stage == "examples" else None
-    report = validate_tables(ds.interactions, ds.items, table, n_candidates, Bounds(**(bounds or {})))
+    prof = _profile(profile)
+    n_candidates = prof.data.n_candidates if stage == "examples" else None
+    report = validate_tables(
+        ds.interactions, ds.items, table, n_candidates, Bounds(**(bounds or {})), prof.data.eval_positions
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report.write(out / "validation.json", out / "validation.md")
@@ -136,7 +146,8 @@ def candidates(
     prof = _profile(profile)
     ds = sources.read_dataset(sources_dir, event_ts=False)
     targets = sources.read_table(targets_path)
-    retriever = CoocRetriever(prof.retriever).fit(train_sequences(ds), ds.items["item_id"].tolist())
+    seqs = train_sequences(ds, prof.data.eval_positions)
+    retriever = CoocRetriever(prof.retriever).fit(seqs, ds.items["item_id"].tolist())
     examples, stats = attach_candidates(targets, retriever, prof.data.n_candidates)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     examples.to_parquet(out_path, index=False)
@@ -212,9 +223,9 @@ def evaluate(
         for name, r in models.items()
     ]
     meta = sources.read_meta(sources_dir)
-    n_test_targets = int(
-        (sources.read_dataset(sources_dir).interactions.groupby("user_id").size() >= 2).sum()
-    )
+    # Test targets: each user's last k positions that have a history (position >= 1): min(k, n - 1) per user.
+    lengths = sources.read_dataset(sources_dir).interactions.groupby("user_id").size().to_numpy()
+    n_test_targets = int(np.minimum(prof.data.eval_positions, np.maximum(lengths - 1, 0)).sum())
     report = {
         "dataset": meta["dataset"],  # the folder name (ml-100k, amazon_beauty), not the path given
         "dataset_arg": dataset,
@@ -255,8 +266,10 @@ def validate_dataset(
     prof = _profile(profile)
     ds = load_dataset(resolve_dataset(dataset))
     inter = ds.interactions.assign(event_ts=event_times(ds.interactions).to_numpy())
-    targets = build_targets(ds, prof.data.history_len)
-    report = validate_tables(inter, ds.items, targets, None, Bounds(**(bounds or {})))
+    targets = build_targets(ds, prof.data.history_len, prof.data.eval_positions)
+    report = validate_tables(
+        inter, ds.items, targets, None, Bounds(**(bounds or {})), prof.data.eval_positions
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report.write(out / "validation.json", out / "validation.md")

@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
+
+from gr2.data.split import split_labels
 
 SPLITS = ["train", "val", "test"]
 
@@ -128,7 +129,11 @@ def _history_before_target(ex: pd.DataFrame, interactions: pd.DataFrame) -> list
 
 
 def example_frame(
-    ex: pd.DataFrame, interactions: pd.DataFrame, catalog: set[str], n_candidates: int | None
+    ex: pd.DataFrame,
+    interactions: pd.DataFrame,
+    catalog: set[str],
+    n_candidates: int | None,
+    eval_positions: int = 1,
 ) -> pd.DataFrame:
     """Scalar view of a targets / examples table (list columns replaced by derived checks)."""
     df = ex[["example_id", "user_id", "split", "target_pos", "target"]].copy()
@@ -138,11 +143,11 @@ def example_frame(
         ids = [[*i, *c] for i, c in zip(ids, ex["candidates"], strict=True)]
     df["unknown_item_id"] = _unknown_ids(ids, catalog)
     df["history_not_before_target"] = _history_before_target(ex, interactions)
-    # Leave-one-out by position: a train target sits strictly before the user's validation position.
+    # Split by position: a train target sits strictly before the user's validation positions.
     n_user = interactions.groupby("user_id", sort=False)["seq_idx"].size()
     n = ex["user_id"].map(n_user).to_numpy()
     pos = ex["target_pos"].to_numpy()
-    expected = np.where(pos == n - 1, "test", np.where(pos == n - 2, "val", "train"))
+    expected = split_labels(pos, n, eval_positions)
     df["eval_target_in_train"] = [
         f"{e}: train example at position {p} of {m} (a {x} target)" if s == "train" and x != "train" else None
         for e, s, p, m, x in zip(ex["example_id"], ex["split"], pos, n, expected, strict=True)
@@ -220,7 +225,7 @@ def _suites(bounds: Bounds, n_candidates: int | None) -> dict[str, list]:
         null("unknown_item_id", "every id in the catalog"),
         null("history_not_before_target", "history strictly before the target"),
         null("eval_target_in_train", "no test (or validation) target in training"),
-        null("split_not_by_position", "leave-one-out split by position"),
+        null("split_not_by_position", "split by position (last k test, k before them val)"),
     ]
     if n_candidates is not None:
         n = n_candidates
@@ -298,6 +303,7 @@ def validate_tables(
     examples: pd.DataFrame | None = None,
     n_candidates: int | None = None,
     bounds: Bounds = Bounds(),
+    eval_positions: int = 1,
 ) -> ValidationReport:
     """Run the suites for the given tables (examples need interactions and items for their checks).
 
@@ -321,6 +327,6 @@ def validate_tables(
     if examples is not None:
         assert interactions is not None and items is not None, "example checks need interactions and items"
         name = "examples" if n_candidates is not None else "targets"
-        frame = example_frame(examples, interactions, catalog, n_candidates)
+        frame = example_frame(examples, interactions, catalog, n_candidates, eval_positions)
         results.append(_run_suite(ctx, name, suites["examples"], frame))
     return ValidationReport(all(r.success for r in results), results)

@@ -1,10 +1,14 @@
-"""TIGER leave-one-out split by position, and strictly increasing event times for the feature store.
+"""The split by position (TIGER leave-one-out, or its k-position generalisation), and strictly increasing event
+times for the feature store.
 
-Per user with n items (positions = seq_idx 0..n-1): position n-1 is the test target, n-2 the validation
-target, 1..n-3 training targets (sliding windows); the history of a target at position p is the up-to-H items
-at positions max(0, p-H)..p-1, oldest -> newest. A target needs at least one history item, so position 0 is
-never a target. Short users: n == 1 gives no example; n == 2 gives only a test example (position 1);
-n == 3 gives a test and a validation example and no training target.
+Per user with n items (positions = seq_idx 0..n-1) and k = `eval_positions` (1 = leave-one-out, the papers'
+protocol): the last k positions are test targets, the k before them validation targets, the rest training
+targets (sliding windows). The history of a target at position p is the up-to-H items at positions
+max(0, p-H)..p-1, oldest -> newest. A target needs at least one history item, so position 0 is never a
+target. Short users (k = 1): n == 1 gives no example; n == 2 gives only a test example (position 1); n == 3
+gives a test and a validation example and no training target. Why k > 1 exists: a small catalogue such as
+MovieLens-100K has 943 users, so leave-one-out leaves about 200 test lists after retrieval, too few for a
+confidence interval to separate two rankers (profiles/quick.yaml uses more positions; Beauty keeps k = 1).
 
 This pure-pandas version is the reference: the Feast offline extraction must reproduce it exactly.
 """
@@ -43,18 +47,29 @@ def event_times(interactions: pd.DataFrame) -> pd.Series:
     return pd.Series(pd.to_datetime(e, unit="s", utc=True), index=interactions.index, name="event_ts")
 
 
+def split_labels(positions: np.ndarray, lengths: np.ndarray, eval_positions: int = 1) -> np.ndarray:
+    """ "train" / "val" / "test" for each (target position, its user's length n): the one split rule, shared by the
+    pandas reference, the Feast extraction and data validation."""
+    k = int(eval_positions)
+    if k < 1:
+        raise ValueError(f"eval_positions must be >= 1, got {eval_positions}")
+    pos, n = np.asarray(positions), np.asarray(lengths)
+    return np.where(pos >= n - k, "test", np.where(pos >= n - 2 * k, "val", "train"))
+
+
 def user_sequences(interactions: pd.DataFrame) -> dict[str, list[str]]:
     """user_id -> items in seq_idx order."""
     grouped = interactions.groupby("user_id", sort=False)["item_id"]
     return {u: list(items) for u, items in grouped}
 
 
-def train_sequences(dataset: Dataset) -> dict[str, list[str]]:
-    """Training data of every user: positions 0..n-3 (what the retriever and evidence tables are fitted on)."""
-    return {u: s[: max(len(s) - 2, 0)] for u, s in user_sequences(dataset.interactions).items()}
+def train_sequences(dataset: Dataset, eval_positions: int = 1) -> dict[str, list[str]]:
+    """Training data of every user: positions 0..n-2k-1 (what the retriever and evidence tables are fitted on)."""
+    cut = 2 * int(eval_positions)
+    return {u: s[: max(len(s) - cut, 0)] for u, s in user_sequences(dataset.interactions).items()}
 
 
-def build_targets(dataset: Dataset, history_len: int) -> pd.DataFrame:
+def build_targets(dataset: Dataset, history_len: int, eval_positions: int = 1) -> pd.DataFrame:
     """One row per (user, target position) with columns TARGET_COLUMNS, ordered by user then target_pos."""
     inter = dataset.interactions
     ets = event_times(inter).to_numpy()
@@ -63,7 +78,7 @@ def build_targets(dataset: Dataset, history_len: int) -> pd.DataFrame:
     pos = inter["seq_idx"].to_numpy(np.int64)
     n = inter.groupby("user_id", sort=False)["seq_idx"].transform("size").to_numpy()
     keep = np.flatnonzero(pos >= 1)
-    split = np.where(pos == n - 1, "test", np.where(pos == n - 2, "val", "train"))
+    split = split_labels(pos, n, eval_positions)
     # Rows are sorted by user then seq_idx, so the history of row r is rows r-min(p, H)..r-1.
     histories = [list(items[r - min(int(pos[r]), history_len) : r]) for r in keep]
     out = pd.DataFrame(

@@ -22,12 +22,22 @@ from gr2.config import EvalConfig, Profile
 from gr2.generative import GenerativeReranker, _load_generative
 from gr2.inference import read_config
 from gr2.metrics import evaluate
+from gr2.stages.prepare import SFTData, list_features
 
 log = logging.getLogger(__name__)
 
 
 def load(bundle: str | Path) -> GenerativeReranker:
     return _load_generative(Path(bundle), read_config(bundle))
+
+
+def teacher_row(data: SFTData, test: pd.DataFrame, profile: Profile) -> dict:
+    """The reasoning teacher's own ranking of the test lists, scored like every other row: the model whose
+    per-candidate verdicts the SFT traces carry, so the report shows how much of it the students keep."""
+    rankings = data.teacher.rank(list_features(data.evidence, test)).tolist()
+    return evaluate(
+        test, rankings, None, n_boot=profile.bootstrap_samples, seed=profile.seed, model="teacher"
+    )
 
 
 def decode_answers(

@@ -21,7 +21,7 @@ from gr2.data.dataset import Dataset
 from gr2.data.split import train_sequences
 from gr2.evidence import FEATURE_NAMES, Evidence
 from gr2.sid import SemanticIds, build_semantic_ids
-from gr2.teacher import Teacher, build_sft_records_from_arrays, fit_teacher
+from gr2.teacher import Teacher, build_sft_records, fit_teacher
 from gr2.tokenizer import load_tokenizer, tokenizer_for
 
 log = logging.getLogger(__name__)
@@ -81,31 +81,30 @@ def prepare_sft(
     when None. Its bucket edges are fitted on the training lists' features here either way."""
     t0 = time.perf_counter()
     seed = profile.seed
-    seqs = train_sequences(dataset)
+    seqs = train_sequences(dataset, profile.data.eval_positions)
     if evidence is None:
         evidence = Evidence.fit(seqs, dataset.items, profile.evidence)
     train = _subsample(examples[examples["split"] == "train"], profile.data.max_train_examples, seed)
     train = train.reset_index(drop=True)
     x_train = list_features(evidence, train)
-    evidence.fit_buckets(x_train)
+    evidence.fit_buckets(x_train, profile.prompt.n_buckets)
     b_train = evidence.buckets(x_train)
     sids = build_semantic_ids(dataset.name, dataset.items, seqs, profile.sid, seed)
     tokenizer = tokenizer_for(sids, FEATURE_NAMES, profile.prompt)
     labels = train["label"].to_numpy()
-    teacher = fit_teacher(x_train, labels, FEATURE_NAMES, profile.teacher, seed)
+    teacher = fit_teacher(x_train, labels, FEATURE_NAMES, profile.teacher, profile.prompt.score_levels, seed)
     stats: dict = {"sid": sids.stats, "n_train_lists": len(train), "vocab_size": len(tokenizer)}
-    for split in ("val", "test"):
-        part = examples[examples["split"] == split]
-        if len(part):
-            x = list_features(evidence, part)
-            stats[f"teacher_recall@1_{split}"] = teacher.recall_at(x, part["label"].to_numpy(), 1)
+    val = examples[examples["split"] == "val"]  # the test row is the report's (gr2/stages/evaluate.py)
+    if len(val):
+        stats["teacher_recall@1_val"] = teacher.recall_at(
+            list_features(evidence, val), val["label"].to_numpy()
+        )
     records = {}
     for variant in ("trace", "ar_no_trace"):
         st: dict = {}
-        records[variant] = build_sft_records_from_arrays(
-            train, x_train, b_train, FEATURE_NAMES, sids, teacher, tokenizer, profile, seed, variant, st
+        records[variant] = build_sft_records(
+            train, x_train, b_train, FEATURE_NAMES, sids, teacher, tokenizer, profile, variant, st
         )
-        st.pop("kept_rows", None)  # one index per record: too long for logs and stats.json
         stats[f"records_{variant}"] = st
     stats["seconds"] = round(time.perf_counter() - t0, 1)
     log.info("prepare_sft: %s", {k: v for k, v in stats.items() if k != "sid"})

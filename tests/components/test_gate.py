@@ -19,6 +19,7 @@ def report(cand_r1: float) -> dict:
             "delta_vs_floor": {"recall@1": [0, 0]},
         },
         {"model": "ar", "tau": None, "recall@1": 0.41, "validity": 1.0},
+        {"model": "ltr", "tau": None, "recall@1": 0.40, "validity": 1.0},
         {
             "model": "diffusion",
             "tau": 0.9,
@@ -45,7 +46,7 @@ def test_run_gate_writes_decision_into_report(tmp_path, local_store):
     res = run_gate(tmp_path / "rep", tmp_path / "out", "diffusion", True, "quick", production_record())
     assert res["passed"] and res["checks"]["production"] is None
     gated = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert gated["gate"]["passed"] is True and len(gated["gate"]["reasons"]) == 6
+    assert gated["gate"]["passed"] is True and len(gated["gate"]["reasons"]) == 7
     assert "PASSED" in (tmp_path / "out" / "gate.md").read_text()
 
     # once a better model is in production, the same candidate fails the production rule only

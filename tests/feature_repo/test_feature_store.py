@@ -56,12 +56,15 @@ def test_online_features_are_latest_history_and_item_tables(store_env):
     assert got["history"][-1] is None and got["title"][-1] is None
 
 
-def test_point_in_time_extraction_equals_build_targets(store_env):
+@pytest.mark.parametrize("k", [1, 3])
+def test_point_in_time_extraction_equals_build_targets(store_env, k):
     src, store_dir, _ = store_env
-    got = feast_io.historical_targets(feast_io.open_store(store_dir), sources.read_dataset(src).interactions)
-    ref = build_targets(sources.read_dataset(src, event_ts=False), H)
+    inter = sources.read_dataset(src).interactions
+    got = feast_io.historical_targets(feast_io.open_store(store_dir), inter, eval_positions=k)
+    ref = build_targets(sources.read_dataset(src, event_ts=False), H, eval_positions=k)
     pd.testing.assert_frame_equal(got, ref)
     assert set(got["split"]) == {"train", "val", "test"}
+    assert (got["split"] == "test").sum() == sum(min(k, n - 1) for n in inter.groupby("user_id").size())
 
 
 def test_feature_row_stamped_after_example_never_leaks(store_env, tmp_path):

@@ -104,6 +104,11 @@ def test_buckets():
     b = ev.buckets(x)
     assert b[:, 0, 0].tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 3, 3]
     assert b.min() >= 0 and b.max() <= 3 and b.dtype == np.int64
+    # Finer buckets (PromptConfig.n_buckets): the values above the minimum split into n_buckets - 1 ranges.
+    ev.fit_buckets(x, n_buckets=7)
+    assert ev.buckets(x)[:, 0, 0].tolist() == [0, 0, 0, 0, 1, 2, 3, 4, 5, 6]
+    with pytest.raises(ValueError, match="n_buckets"):
+        ev.fit_buckets(x, n_buckets=1)
 
 
 def test_features_on_real_slice_train_matches_test_distribution():

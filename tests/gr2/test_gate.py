@@ -21,6 +21,7 @@ def rows(**cand_overrides):
     return [
         {"model": "floor", "tau": None, "recall@1": 0.30, "validity": 1.0, "delta_vs_floor": {}},
         {"model": "ar", "tau": None, "recall@1": 0.405, "validity": 1.0, "speedup_vs_ar": 1.0},
+        {"model": "ltr", "tau": None, "recall@1": 0.395, "validity": 1.0},
         cand,
     ]
 
@@ -28,8 +29,8 @@ def rows(**cand_overrides):
 def test_all_rules_pass_with_one_reason_each():
     d = decide(rows(), "diffusion", True, {"model": "old", "recall@1": 0.39, "run_id": "r0"}, CFG)
     assert d.passed
-    assert set(d.checks) == {"data", "floor", "ar_gap", "validity", "speedup", "production"}
-    assert len(d.reasons) == 6 and all(r.startswith("PASS") for r in d.reasons)
+    assert set(d.checks) == {"data", "floor", "ar_gap", "ltr", "validity", "speedup", "production"}
+    assert len(d.reasons) == 7 and all(r.startswith("PASS") for r in d.reasons)
     floor_reason = next(r for r in d.reasons if " floor:" in r)
     assert "0.4000 vs floor 0.3000" in floor_reason and "excludes zero" in floor_reason
 
@@ -49,7 +50,7 @@ def test_must_beat_floor_and_ci_is_reported():
         "diffusion",
         True,
         None,
-        GateConfig(max_gap_to_ar=0.2),
+        GateConfig(max_gap_to_ar=0.2, max_gap_to_ltr=0.2),
     )
     assert d.checks["floor"] is True and "includes zero" in d.reasons[1]
     # not required: a loss to the floor is reported but does not block
@@ -58,7 +59,7 @@ def test_must_beat_floor_and_ci_is_reported():
         "diffusion",
         True,
         None,
-        GateConfig(max_gap_to_ar=0.2, require_beats_floor=False),
+        GateConfig(max_gap_to_ar=0.2, max_gap_to_ltr=0.2, require_beats_floor=False),
     )
     assert d.passed and d.checks["floor"] is None
 
@@ -71,6 +72,33 @@ def test_gap_to_ar():
     assert d.passed and d.checks["ar_gap"] is None
 
 
+def test_not_below_the_gbdt_beyond_the_margin():
+    # ltr 0.395: a candidate at 0.386 is 0.009 below (allowed), at 0.384 it is 0.011 below (refused), even
+    # though it still beats the floor and is within the AR margin (with an AR row at 0.39).
+    ar_close = [dict(r, **{"recall@1": 0.39}) if r["model"] == "ar" else r for r in rows()]
+    d = decide(
+        [r if r["model"] != "diffusion" else dict(r, **{"recall@1": 0.386}) for r in ar_close],
+        "diffusion",
+        True,
+        None,
+        CFG,
+    )
+    assert d.passed and d.checks["ltr"] is True
+    d = decide(
+        [r if r["model"] != "diffusion" else dict(r, **{"recall@1": 0.384}) for r in ar_close],
+        "diffusion",
+        True,
+        None,
+        CFG,
+    )
+    assert (
+        not d.passed and d.checks["ltr"] is False and d.checks["ar_gap"] is True and d.checks["floor"] is True
+    )
+    assert "ltr (GBDT) recall@1 0.3950 - candidate 0.3840 = +0.0110 (max 0.01)" in d.reasons[3]
+    no_ltr = [r for r in rows() if r["model"] != "ltr"]
+    assert decide(no_ltr, "diffusion", True, None, CFG).checks["ltr"] is None
+
+
 def test_validity_threshold():
     d = decide(rows(validity=0.98), "diffusion", True, None, CFG)
     assert not d.passed and d.checks["validity"] is False
@@ -78,7 +106,7 @@ def test_validity_threshold():
 
 def test_speedup_only_when_reported():
     d = decide(rows(speedup_vs_ar=2.0), "diffusion", True, None, CFG)
-    assert not d.passed and d.checks["speedup"] is False and "2.00x" in d.reasons[4]
+    assert not d.passed and d.checks["speedup"] is False and "2.00x" in d.reasons[5]
     d = decide(rows(speedup_vs_ar=None), "diffusion", True, None, CFG)
     assert d.passed and d.checks["speedup"] is None
 

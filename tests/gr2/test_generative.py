@@ -76,9 +76,10 @@ def pipeline(tmp_path_factory):
 
 def test_prepare_builds_parseable_records(pipeline):
     data = pipeline["data"]
-    assert data.stats["records_trace"]["n_kept"] == len(data.records["trace"]) > 50
+    n_train = int((pipeline["examples"]["split"] == "train").sum())
+    assert data.stats["records_trace"]["n_records"] == len(data.records["trace"]) == n_train > 50
     assert data.evidence.bucket_edges is not None
-    # Same kept lists for both variants; the no-trace responses are strictly shorter.
+    # Same lists for both variants; the no-trace responses are strictly shorter.
     assert len(data.records["trace"]) == len(data.records["ar_no_trace"])
     assert all(
         len(a[1]) > len(b[1]) for a, b in zip(data.records["trace"], data.records["ar_no_trace"], strict=True)

@@ -14,16 +14,18 @@ from gr2.prompt import (
     UNPARSEABLE,
     WRONG_LENGTH,
     encode_example,
+    encode_prompt,
     feature_aliases,
     parse_response,
     render_answer,
     render_prompt,
     render_response,
+    render_trace,
 )
 from gr2.tokenizer import build_tokenizer
 
 K = 16
-TRACE = "step 1 : [C] follows-last-item <trans_3> co-occurs-with-history <co_2> ; top [C] [A] [F]"
+TRACE = render_trace([3, 0, 7, 1, 1, 5, 0, 2, 6, 4])
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,40 @@ def test_prompt_length_and_content(tok):
     assert tok.unk_token_id not in tok(text, add_special_tokens=False)["input_ids"]
 
 
+def test_item_tokens_choose_which_semantic_ids_the_prompt_shows(tok):
+    hist, cands, buckets = _example(np.random.default_rng(0))
+    n_ev = len(FEATURE_NAMES)
+    none = render_prompt(hist, cands, buckets, FEATURE_NAMES, "none").split()
+    assert none[0] == "candidates" and len(none) == 1 + 10 * (1 + n_ev)
+    assert none[1 + n_ev + 1 :][:1] == ["[B]"] and none[2 : 2 + n_ev][0] == f"<trans_{buckets[0, 0]}>"
+    cand = render_prompt(hist, cands, buckets, FEATURE_NAMES, "candidates").split()
+    assert cand[0] == "candidates" and len(cand) == 1 + 10 * (5 + n_ev)
+    assert cand[2:6] == [
+        f"<a_{cands[0][0]}>",
+        f"<b_{cands[0][1]}>",
+        f"<c_{cands[0][2]}>",
+        f"<d_{cands[0][3]}>",
+    ]
+    assert render_prompt(hist, cands, buckets, FEATURE_NAMES, "all").split()[0] == "history"
+    ids = encode_prompt(tok, hist, cands, buckets, FEATURE_NAMES, "none")
+    assert ids[0] == tok.bos_token_id and tok.decode(ids[1:]).split() == none
+    with pytest.raises(ValueError, match="item_tokens"):
+        render_prompt(hist, cands, buckets, FEATURE_NAMES, "some")
+
+
+def test_trace_names_every_candidate_with_its_score_level(tok):
+    words = TRACE.split()
+    assert words[::2] == [f"[{c}]" for c in "ABCDEFGHIJ"]
+    assert words[1::2] == ["<score_3>", "<score_0>", "<score_7>", "<score_1>", "<score_1>"] + [
+        "<score_5>",
+        "<score_0>",
+        "<score_2>",
+        "<score_6>",
+        "<score_4>",
+    ]
+    assert tok.unk_token_id not in tok(TRACE, add_special_tokens=False)["input_ids"]
+
+
 @pytest.mark.parametrize("trace", [TRACE, None])
 def test_encode_round_trip(tok, trace):
     rng = np.random.default_rng(1)
@@ -81,7 +117,7 @@ def test_render_response_accepts_letters():
 def test_encode_rejects_out_of_vocabulary(tok):
     hist, cands, buckets = _example(np.random.default_rng(2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        encode_example(tok, hist, cands, buckets, list(range(10)), "step 1 : banana", FEATURE_NAMES)
+        encode_example(tok, hist, cands, buckets, list(range(10)), "[A] <score_1> banana", FEATURE_NAMES)
     cands[0] = (K + 5, 0, 0, 0)  # a code beyond the codebook
     with pytest.raises(ValueError, match="outside the vocabulary"):
         encode_example(tok, hist, cands, buckets, list(range(10)), None, FEATURE_NAMES)
@@ -94,7 +130,7 @@ def _ans(labels: str) -> str:
 @pytest.mark.parametrize(
     ("text", "reason", "detail"),
     [
-        ("step 1 : [C] ; top [C]", MISSING_ANSWER, None),
+        ("[A] <score_1> [B] <score_0>", MISSING_ANSWER, None),
         ('{ "order" : [ ] }', MISSING_ANSWER, None),
         ('{ "ranking" : [ "A" , "B" ', UNPARSEABLE, None),
         ('{ "ranking" : [ "A" "B" ] }', UNPARSEABLE, None),

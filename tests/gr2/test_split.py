@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from gr2.data import Dataset, build_targets, data_root, event_times, load_dataset, train_sequences
-from gr2.data.split import MIN_GAP_S, SYNTHETIC_EPOCH_S, TARGET_COLUMNS
+from gr2.data.split import MIN_GAP_S, SYNTHETIC_EPOCH_S, TARGET_COLUMNS, split_labels
 
 
 def _ds(seqs: dict[str, list[str]], ts: dict[str, list[float]] | None = None) -> Dataset:
@@ -39,6 +40,31 @@ def test_build_targets_positions_and_histories():
     assert t.loc[t.user_id == "d", "example_id"].tolist() == ["d:1", "d:2", "d:3", "d:4"]
     assert str(t["event_ts"].dtype) == "datetime64[ns, UTC]"
     assert train_sequences(ds) == {"a": [], "b": [], "c": ["i3"], "d": ["i0", "i1", "i2"]}
+
+
+def test_k_eval_positions_per_user():
+    """eval_positions = 2: the last two positions are test targets, the two before them validation targets."""
+    ds = _ds({"b": ["i1", "i2"], "c": ["i3", "i4", "i5", "i6"], "d": [f"i{k}" for k in range(7)]})
+    t = build_targets(ds, history_len=3, eval_positions=2)
+    got = {(r.user_id, r.target_pos): r.split for r in t.itertuples()}
+    assert got == {
+        ("b", 1): "test",  # position 0 has no history: never a target
+        ("c", 1): "val",
+        ("c", 2): "test",
+        ("c", 3): "test",
+        ("d", 1): "train",
+        ("d", 2): "train",
+        ("d", 3): "val",
+        ("d", 4): "val",
+        ("d", 5): "test",
+        ("d", 6): "test",
+    }
+    # Training sequences stop before the first validation position.
+    assert train_sequences(ds, 2) == {"b": [], "c": [], "d": ["i0", "i1", "i2"]}
+    # k = 1 is the leave-one-out rule exactly.
+    np.testing.assert_array_equal(split_labels(np.arange(5), np.full(5, 5)), ["train"] * 3 + ["val", "test"])
+    with pytest.raises(ValueError, match="eval_positions"):
+        split_labels(np.arange(3), np.full(3, 3), 0)
 
 
 def test_event_times_ties_backwards_and_missing():

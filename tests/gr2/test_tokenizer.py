@@ -16,10 +16,12 @@ def test_vocab_layout():
     assert vocab[:5] == SPECIAL_TOKENS
     assert len(vocab) == len(set(vocab))
     assert {"<a_0>", "<b_7>", "<c_3>", "<d_2>"} <= set(vocab) and "<d_3>" not in vocab
-    assert {"[A]", "[J]", '"A"', '"J"', "{", "}", '"ranking"', ",", "step", "top"} <= set(vocab)
-    # One bucket token per (feature, bucket), distinct across features.
+    assert {"[A]", "[J]", '"A"', '"J"', "{", "}", '"ranking"', ",", "history", "candidates"} <= set(vocab)
+    # One bucket token per (feature, bucket), distinct across features, and the trace's 8 score levels.
     sid = re.compile(r"^<[abcd]_\d+>$")
-    buckets = [t for t in vocab if t.startswith("<") and not sid.match(t) and t not in SPECIAL_TOKENS]
+    score = [t for t in vocab if t.startswith("<score_")]
+    assert score == [f"<score_{k}>" for k in range(8)]
+    buckets = [t for t in vocab if t.startswith("<") and not sid.match(t) and t not in SPECIAL_TOKENS + score]
     assert len(buckets) == len(FEATURE_NAMES) * 4
 
 
@@ -48,3 +50,15 @@ def test_encode_decode_round_trip_and_unknown(tmp_path):
     assert back(text, add_special_tokens=False)["input_ids"] == ids
     assert back.mask_token_id == tok.mask_token_id and len(back) == len(tok)
     assert tok.decode([tok.bos_token_id, *ids, tok.eos_token_id], skip_special_tokens=True) == text
+
+
+def test_semantic_id_tokens_only_when_the_prompt_shows_items():
+    from gr2.config import PromptConfig
+    from gr2.sid import SemanticIds
+    from gr2.tokenizer import tokenizer_for
+
+    sids = SemanticIds(codes={"x": (1, 2, 3, 0)}, codebook_sizes=SIZES)
+    shown = tokenizer_for(sids, FEATURE_NAMES, PromptConfig(item_tokens="candidates")).get_vocab()
+    hidden = tokenizer_for(sids, FEATURE_NAMES, PromptConfig(item_tokens="none")).get_vocab()
+    assert "<a_1>" in shown and not any(t.startswith("<a_") for t in hidden)
+    assert len(shown) - len(hidden) == sum(SIZES) and "<score_7>" in hidden

@@ -27,6 +27,7 @@ def test_local_run_writes_report(tmp_path):
         ("floor", None),
         ("popularity", None),
         ("ltr", None),
+        ("teacher", None),
         ("ar_sft", None),
         ("ar", None),
         ("ar_no_trace", None),
@@ -40,7 +41,7 @@ def test_local_run_writes_report(tmp_path):
     for r in rep["rows"]:
         assert 0 <= r["recall@1"] <= r["recall@3"] <= r["recall@5"] <= 1
         assert 0 <= r["validity"] <= 1 and (
-            r["validity"] == 1.0 or r["model"] not in ("floor", "popularity", "ltr")
+            r["validity"] == 1.0 or r["model"] not in ("floor", "popularity", "ltr", "teacher")
         )
     assert {(s["model"], s["batch"]) for s in rep["speed"]} >= {
         ("ar", 1),

@@ -155,8 +155,14 @@ def render_markdown(report: dict, plots: list[str] | None = None) -> str:
     if gate is not None:
         out += ["", f"**Gate: {'PASSED' if gate.get('passed') else 'FAILED'}**"]
         out += [f"- {r}" for r in gate.get("reasons", [])]
-    if report.get("dataset_profile"):  # what the data has and lacks: why some evidence carries no signal
-        out += ["", "## Dataset profile", "", *profile_markdown(report["dataset_profile"])]
+    # What the data has and lacks, and the evidence features dropped because the data cannot supply them
+    # (never computed as a constant that looks like signal: gr2/evidence.py).
+    dropped = (report.get("evidence") or {}).get("dropped_features")
+    if report.get("dataset_profile") or dropped:
+        out += ["", "## Dataset profile", ""]
+        out += profile_markdown(report["dataset_profile"]) if report.get("dataset_profile") else []
+        if dropped:
+            out += ["- evidence features dropped: " + "; ".join(f"{f} ({w})" for f, w in dropped.items())]
     cards = report.get("model_cards") or []
     if cards:
         out += ["", "## Model cards", "", " · ".join(f"[{Path(c).stem}]({c})" for c in cards)]

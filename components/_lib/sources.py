@@ -112,6 +112,12 @@ def write_sources(
         "n_items": len(dataset.items),
         "profile": dataset_profile(dataset),  # what the data has and lacks (gr2/data/profile.py)
     }
+    if item_tables is not None:  # the evidence features kept, and those the data cannot supply (gr2.evidence)
+        ev = item_tables.attrs.get("evidence", {})
+        meta["evidence"] = {
+            "features": ev.get("features"),
+            "dropped_features": ev.get("dropped_features", {}),
+        }
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
 

@@ -64,3 +64,12 @@ def test_markdown_has_the_dataset_profile():
     prof = dataset_profile(Dataset("d", inter, items))
     md = render_markdown({"dataset": "d", "rows": [], "dataset_profile": prof})
     assert "## Dataset profile" in md and "lacks: titles, categories, timestamps" in md
+    assert "evidence features dropped" not in md
+    dropped = {"category_overlap": "no item has categories", "title_sim": "no item has title tokens"}
+    md = render_markdown(
+        {"dataset": "d", "rows": [], "dataset_profile": prof, "evidence": {"dropped_features": dropped}}
+    )
+    assert (
+        "- evidence features dropped: category_overlap (no item has categories); "
+        "title_sim (no item has title tokens)" in md
+    )

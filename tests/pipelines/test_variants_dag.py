@@ -34,7 +34,7 @@ DROPPED = {
     "repeats": {},
     "long": {},
 }
-STAGES = ["floor", "popularity", "ltr", "ar_sft", "ar", "ar_no_trace", "naive", "cft", "opd", "rl"]
+STAGES = ["floor", "popularity", "ltr", "teacher", "ar_sft", "ar", "ar_no_trace", "naive", "cft", "opd", "rl"]
 
 
 @pytest.mark.parametrize("name", list(SLICES))

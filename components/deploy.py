@@ -1,15 +1,15 @@
-"""KFP component: roll the gated model out (serving/rollout.py): upload to the artifact store, render the
-InferenceService overlay with the model's storage URI and a canary percentage, then either stop there
-(dry_run: manifests + plan.json only) or apply, wait, smoke-test the `latest-` tag URL, and promote
-(write the production pointer) or roll back. Place it under the gate's `dsl.If`.
+"""KFP component: start the gated model's canary (serving/rollout.py): upload to the artifact store, render the
+overlay with the real kustomize (kubectl, in the image) with the model's storage URI and a canary percentage,
+then either stop there (dry_run: manifests + plan.json only) or server-side apply every object, wait,
+smoke-test the `latest-` tag URL, and leave the canary running (output "canary") or roll it back. Place it
+under the gate's `dsl.If`; the canary-analysis step, under `outcome == "canary"`, promotes or rolls back.
+Its single output is the outcome (kfp.local cannot resolve a condition on a NamedTuple field, see gate.py).
 """
 
 # no `from __future__ import annotations`: KFP reads the real annotation objects
 
-from typing import NamedTuple
-
 from kfp import dsl
-from kfp.dsl import Artifact, Input, Model, Output
+from kfp.dsl import Artifact, Dataset, Input, Model, Output
 
 from components._image import COMPONENT_KWARGS
 
@@ -29,10 +29,13 @@ def deploy(
     store_prefix: str = "",
     store_endpoint: str = "",
     store_local_root: str = "",
-) -> NamedTuple("DeployOutputs", outcome=str, storage_uri=str):
-    """`decision` is the gate's output (its report row becomes the production record when promoted)."""
+    serve_image: str = "",
+    examples: Input[Dataset] = None,
+) -> str:
+    """`decision` is the gate's output (its report row becomes the production record when promoted).
+    `serve_image` ("" = the overlay's pinned image) must be a git-sha tag or an @sha256 digest. The smoke
+    test asks `smoke_instance_json`, or else the newest test list of `examples` (the run's examples table)."""
     import json
-    from collections import namedtuple
     from pathlib import Path
 
     import components
@@ -61,7 +64,13 @@ def deploy(
         overlay_path = Path(components.__file__).resolve().parents[1] / overlay  # relative to the repo root
     smoke = json.loads(smoke_instance_json) if smoke_instance_json else {}
     if not smoke and not dry_run:  # the canary must be asked something it can answer
-        raise ValueError("smoke_instance_json is required unless dry_run: one {user_id, candidates} instance")
+        if examples is None:
+            raise ValueError(
+                "deploy needs smoke_instance_json or examples unless dry_run: one request to ask"
+            )
+        from serving.canary import probe_set
+
+        smoke = probe_set(examples.path, 1)[0]
     from gr2.generative import bundle_dir
 
     p = rollout(
@@ -75,6 +84,7 @@ def deploy(
         smoke,
         canary_percent,
         dry_run,
+        serve_image=serve_image or None,
     )
-    plan.metadata["outcome"] = p.outcome
-    return namedtuple("DeployOutputs", ["outcome", "storage_uri"])(p.outcome, p.storage_uri)
+    plan.metadata.update(outcome=p.outcome, storage_uri=p.storage_uri)
+    return p.outcome

@@ -60,6 +60,20 @@ class ModelConfig:
     n_kv_head: int = 0  # 0 = n_head (no grouped-query attention)
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
+    # A pretrained transformers causal LM instead of the fresh Llama above (whose sizes are then ignored): a local
+    # folder, a .gguf file, or a hub id read from the local cache only (gr2/model.py load_pretrained).
+    pretrained: str = ""
+    lora_rank: int = 0  # > 0: train LoRA adapters (peft) + the embeddings, not the whole backbone
+    lora_alpha: int = 16
+    lora_targets: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     keep_checkpoints: int = 2  # newest checkpoints kept in out_dir/checkpoints
+    # Micro-batches of batch_size per process per optimizer step: the global batch is
+    # batch_size * grad_accum * world_size (gr2/train.py).
+    grad_accum: int = 1
+    bf16: bool = False  # bfloat16 autocast of forward + loss (weights, gradients and AdamW stay fp32)
 
 
 @dataclass(frozen=True)
@@ -180,6 +198,8 @@ class OPDConfig:
     grad_clip: float = 1.0
     checkpoint_every: int = 10
     log_every: int = 5
+    grad_accum: int = 1  # rollout batches per process per optimizer step (TrainConfig.grad_accum)
+    bf16: bool = False
 
 
 @dataclass(frozen=True)
@@ -206,6 +226,29 @@ class RLConfig:
     grad_clip: float = 1.0
     checkpoint_every: int = 10
     log_every: int = 5
+    grad_accum: int = 1  # rollout batches per process per optimizer step (TrainConfig.grad_accum)
+    bf16: bool = False
+    # Certainty forcing through RL (block-diffusion student only; gr2/rl.py rollout_certainty): + this weight *
+    # entropy at masked rollout positions the student already predicts right, so RL keeps the tokens per forward
+    # that CFT's certainty forcing bought (diffusion.certainty_weight). 0 = off.
+    certainty_weight: float = 0.0
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    """Automated canary analysis (serving/canary.py): traffic steps and the canary-vs-stable thresholds."""
+
+    steps: tuple[int, ...] = (10, 50, 100)  # canaryTrafficPercent per step, increasing; then promote
+    step_seconds: float = 300.0  # live traffic observed per step, after the probes
+    probe_size: int = 50  # recent requests (the newest test lists) sent to both revisions at every step
+    min_requests: int = 50  # requests the canary must have answered in a step to be judged at all
+    max_error_rate_increase: float = 0.01  # canary 5xx rate <= stable's + this
+    max_p99_ratio: float = 1.5  # canary p99 latency <= stable's * this + p99_slack_s
+    p99_slack_s: float = 0.05
+    max_validity_drop: float = 0.01  # canary validity >= stable's - this
+    max_fallback_increase: float = 0.01  # canary fallback rate <= stable's + this
+    min_agreement: float = 0.6  # mean top-k overlap of the two revisions' rankings of the probes
+    agreement_k: int = 3
 
 
 @dataclass(frozen=True)
@@ -228,6 +271,7 @@ class Profile:
     opd: OPDConfig = field(default_factory=OPDConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     ar_rl: RLConfig = field(default_factory=RLConfig)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
     bootstrap_samples: int = 1000
 
     def to_dict(self) -> dict[str, Any]:

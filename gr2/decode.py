@@ -1,18 +1,27 @@
-"""The decoders: AR with a KV cache, and threshold-commit block diffusion (PAPER 3.5), each returning nfe.
+"""The decoders: AR with a KV cache, threshold-commit block diffusion (PAPER 3.5), and lossless speculative
+decoding (a block-diffusion draft checked by the AR model). Each returns nfe.
 
-Small pure functions in the style of LLaDA / Fast-dLLM `generate.py`. Both take unpadded prompts (lists of token
-ids), left-pad them (see gr2/model.py for the layout) and return `tokens` [B, max_new_tokens]. A row is finished
-once it has an eos with every position before it decoded; positions the decoder never wrote after that are
-filled with eos. Read a row up to its first eos: with block_size > 1, tokens committed after the eos inside the
-same block are kept as decoded (the trajectory must replay them) and mean nothing.
+Straight functions in the style of LLaDA / Fast-dLLM `generate.py`: `ar_generate`, `diffusion_generate` (KV cache),
+`diffusion_generate_nocache` (the reference the cached loop must equal) and `spec_generate`; the diffusion loops
+share one commit step (`_commit_round`: the commit rule plus its bookkeeping). They take unpadded prompts (lists of
+token ids), left-pad them (see gr2/model.py for the layout) and return `tokens` [B, max_new_tokens]. A row is
+finished once it has an eos with every position before it decoded; positions the decoder never wrote after that
+are filled with eos. Read a row up to its first eos: with block_size > 1, tokens committed after the eos inside
+the same block are kept as decoded (the trajectory must replay them) and mean nothing.
 
 nfe = number of model forward calls for the whole batch, prefill included. For AR generating L tokens that is
 exactly L (the prefill yields the first token). Block diffusion, per block: one forward per commit round,
 except a round where only the block's first position is still masked: its logits come from the last clean
-token before the block and do not depend on the canvas, so it is committed without a forward. The forward that
-stores a finished block's KV is folded into the next block's first round (Fast-dLLM v2): the input is
-[finished block, canvas] under the block-causal mask, the finished block's KV is kept and the canvas KV
-dropped (`DynamicCache.crop`). So block_size = 1 diffusion is AR exactly, nfe included, and
+token before the block and do not depend on the canvas, so it is committed without a forward.
+
+The finished block's KV. Later blocks must see a finished block as a forward over its final tokens computes it:
+that is what training shows them (gr2/losses.py: clean blocks before the noisy one). The block's last round
+cannot provide it: that forward ran on a canvas where the positions it committed were still masks, and attention
+inside a block is bidirectional, so the KV of every position of the block (and the logits of its last column,
+which predict the next block's first token) saw those masks. So the finished block is fed once more, folded into
+the next block's first round (Fast-dLLM v2): input [finished block, canvas] under the block-causal mask, the
+finished block's KV kept, the canvas KV dropped (`DynamicCache.crop`). That costs block_size more tokens in one
+forward per block and no extra forward: block_size = 1 diffusion is AR exactly, nfe included, and
 nfe = 1 + n_blocks when every block commits in one round.
 
 Greedy by default. The token-choice rule is pluggable (`pick` for AR, `commit_fn` for diffusion) so that
@@ -71,6 +80,36 @@ def _pad_id(model: torch.nn.Module) -> int:
     return 0 if pad is None else int(pad)
 
 
+def _layout(
+    prompts: list[list[int]], max_new_tokens: int, model: torch.nn.Module, fill: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decoding buffer and what every forward slices: (seq [B, P + L] = left-padded prompts then `fill`,
+    pad_lens [B], attn [B, P + L] (1 = a real column), pos [B, P + L] position ids)."""
+    dev = _device(model)
+    ids, pad_lens = left_pad(prompts, _pad_id(model), dev)
+    seq = torch.cat([ids, torch.full((ids.shape[0], max_new_tokens), fill, device=dev)], dim=1)
+    cols = torch.arange(seq.shape[1], device=dev)
+    attn = (cols[None, :] >= pad_lens[:, None]).long()
+    return seq, pad_lens, attn, position_ids_for(pad_lens, cols)
+
+
+def _prefill(
+    model: torch.nn.Module, seq: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, P: int
+) -> tuple[DynamicCache, torch.Tensor]:
+    """Feed the prompt (the first P columns) into a new cache; returns it and the logits [B, V] of the prompt's
+    last column (they predict the first response token)."""
+    cache = DynamicCache()
+    logits = model(
+        input_ids=seq[:, :P],
+        attention_mask=attn[:, :P],
+        position_ids=pos[:, :P],
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]
+    return cache, logits
+
+
 @torch.no_grad()
 def ar_generate(
     model: torch.nn.Module,
@@ -88,44 +127,38 @@ def ar_generate(
     logprobs: optional output [B, max_new_tokens] (needs `pick`): each decoded token's log-prob as returned
     by `pick`, 0 for the eos filler written after a row finished.
     """
-    dev = _device(model)
-    ids, pad_lens = left_pad(prompts, _pad_id(model), dev)
-    B, P = ids.shape
+    fill = eos_id if eos_id is not None else _pad_id(model)
+    seq, _, attn, pos = _layout(prompts, max_new_tokens, model, fill)
+    B, P = seq.shape[0], seq.shape[1] - max_new_tokens
     _check_logprobs(logprobs, pick, (B, max_new_tokens))
-    out = torch.full((B, max_new_tokens), eos_id if eos_id is not None else _pad_id(model), device=dev)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    seq = ids
+    done = torch.zeros(B, dtype=torch.bool, device=seq.device)
     cache = DynamicCache() if use_cache else None
     nfe = 0
-    fed = 0  # columns already in the cache
     for t in range(max_new_tokens):
-        cols = torch.arange(fed if use_cache else 0, seq.shape[1], device=dev)
-        attn = (torch.arange(seq.shape[1], device=dev)[None, :] >= pad_lens[:, None]).long()
+        lo = P + t - 1 if use_cache and t else 0  # cached: only the last decoded token is new
         logits = model(
-            input_ids=seq[:, cols],
-            attention_mask=attn,
-            position_ids=position_ids_for(pad_lens, cols),
+            input_ids=seq[:, lo : P + t],
+            attention_mask=attn[:, : P + t],
+            position_ids=pos[:, lo : P + t],
             cache=cache,
             use_cache=use_cache,
             logits_to_keep=1,  # the LM head on the last column only (the prefill would project all P)
         ).logits[:, -1]
         nfe += 1
-        fed = seq.shape[1]
         if pick is None:
             tok = logits.argmax(-1)
         else:
             tok, lp = pick(logits)
             if logprobs is not None:
-                logprobs[:, t] = torch.where(done, torch.zeros_like(lp), lp)
+                logprobs[:, t] = lp.masked_fill(done, 0.0)
         if eos_id is not None:
-            tok = torch.where(done, torch.full_like(tok, eos_id), tok)
-        out[:, t] = tok
+            tok = tok.masked_fill(done, eos_id)
+        seq[:, P + t] = tok
         if eos_id is not None:
             done |= tok == eos_id
             if bool(done.all()):
                 break
-        seq = torch.cat([seq, tok[:, None]], dim=1)
-    return out, nfe
+    return seq[:, P:].clone(), nfe
 
 
 def threshold_commits(conf: torch.Tensor, masked: torch.Tensor, tau: float) -> torch.Tensor:
@@ -150,19 +183,50 @@ def select_commits(
     return threshold_commits(top_lp.exp(), masked, tau), pred
 
 
-def _crop_to(cache: DynamicCache, length: int) -> None:
-    """Truncate the cache to its first `length` columns (`crop` takes the number to remove, negated)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+def _commit_round(
+    shifted: torch.Tensor,
+    committed: torch.Tensor,
+    tau: float,
+    commit_fn: CommitRule | None,
+    block: torch.Tensor,
+    traj: torch.Tensor | None,
+    logprobs: torch.Tensor | None,
+    rnd: int,
+    eos_id: int | None,
+) -> bool:
+    """One commit round, shared by the diffusion loops: the commit rule on the token-shifted logits [B, c, V] of
+    the block's first c positions, then its bookkeeping in place: the committed tokens into `block`, `rnd` into
+    `traj`, their log-probs into `logprobs` (all three: the block's columns) and `committed` [B, cl].
+    Returns whether an eos was committed (only then can a row have finished)."""
+    c = shifted.shape[1]
+    masked = ~committed[:, :c]
+    if commit_fn is None:  # the module global, looked up per round (tests spy on it)
+        commit, pred = select_commits(shifted, masked, tau)
+    else:
+        commit, pred, lp = commit_fn(shifted, masked, tau)
+        if logprobs is not None:
+            logprobs[:, :c][commit] = lp[commit]
+    block[:, :c][commit] = pred[commit]
+    if traj is not None:
+        traj[:, :c].masked_fill_(commit, rnd)
+    committed[:, :c] |= commit
+    return eos_id is not None and bool((commit & (pred == eos_id)).any())
 
 
-def _finished(block: torch.Tensor, committed: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """[B] rows with a committed eos in `block` whose every earlier block position is committed."""
+def _finish_rows(
+    block: torch.Tensor, committed: torch.Tensor, done: torch.Tensor, eos_id: int, fill: int
+) -> None:
+    """Rows whose block holds a committed eos with every earlier position committed are done: their open
+    positions get `fill` and count as committed (in place)."""
     before = torch.cat(
         [torch.ones_like(committed[:, :1]), committed[:, :-1].long().cumprod(-1).bool()], dim=1
     )
-    return (committed & (block == eos_id) & before).any(-1)
+    newly = (committed & (block == eos_id) & before).any(-1) & ~done
+    if bool(newly.any()):
+        done |= newly
+        rest = newly[:, None] & ~committed
+        block[rest] = fill
+        committed |= newly[:, None]
 
 
 @torch.no_grad()
@@ -182,124 +246,246 @@ def diffusion_generate(
 
     Blocks of `block_size` are aligned at the response start (the last one is cut at max_new_tokens). Each
     block starts as a canvas of `mask_id`; each round predicts every masked position with the AR token shift
-    (position j from hidden j-1; position 0 from the last clean token before the block) and commits per
-    `select_commits`. The prompt is prefilled once into a DynamicCache; finished blocks are appended to it.
+    (position j from hidden j-1; position 0 from the last clean token before the block: the anchor) and commits
+    per `select_commits`. The prompt is prefilled once into a DynamicCache; each finished block is added to it
+    by the next block's first forward (module docstring).
 
     trajectory [B, max_new_tokens]: the commit round (0-based, counted over the whole call and shared by the
     batch) at which each token was committed; -1 = eos filler written after the row finished. To replay the
     canvas a token was predicted from (RL): its block holds the tokens with a smaller round, masks elsewhere.
 
-    use_cache=False is the reference path: every round re-runs prompt + finished blocks + canvas under
-    `block_causal_mask` (same tokens and trajectory; more compute; it runs a forward every round).
+    use_cache=False runs `diffusion_generate_nocache`, the reference (same tokens and trajectory).
 
     commit_fn: the commit rule, called as commit_fn(shifted logits, masked, tau) -> (commit, tokens,
     log-probs) (default `select_commits`, no log-probs computed). logprobs: optional output
     [B, max_new_tokens] (needs `commit_fn`): each committed token's log-prob as returned by the rule,
     0 where trajectory is -1.
     """
-    dev = _device(model)
-    ids, pad_lens = left_pad(prompts, _pad_id(model), dev)
-    B, P = ids.shape
+    if not use_cache:
+        return diffusion_generate_nocache(
+            model, prompts, max_new_tokens, block_size, tau, mask_id, eos_id, commit_fn, logprobs
+        )
     L = max_new_tokens
-    _check_logprobs(logprobs, commit_fn, (B, L))
     fill = eos_id if eos_id is not None else mask_id
-    resp = torch.full((B, L), mask_id, dtype=torch.long, device=dev)
-    traj = torch.full((B, L), -1, dtype=torch.long, device=dev)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    nfe, rnd = 0, 0
-
-    cache, anchor = None, None
-    if use_cache:
-        cache = DynamicCache()
-        cols = torch.arange(P, device=dev)
-        attn = (cols[None, :] >= pad_lens[:, None]).long()
-        anchor = model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=position_ids_for(pad_lens, cols),
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
-        nfe += 1
-
-    if use_cache:
-        # Every response row's attention over prompt + response, built once; each block's masks are slices.
-        resp_rows = attention_rows(P, torch.arange(P, P + L, device=dev), P + L, block_size, pad_lens)
-    end = 0  # response columns reached so far
+    seq, pad_lens, attn, pos = _layout(prompts, L, model, mask_id)
+    B, P = seq.shape[0], seq.shape[1] - L
+    _check_logprobs(logprobs, commit_fn, (B, L))
+    resp = seq[:, P:]  # a view: the response as it is decoded
+    traj = torch.full((B, L), -1, dtype=torch.long, device=seq.device)
+    done = torch.zeros(B, dtype=torch.bool, device=seq.device)
+    cache, anchor = _prefill(model, seq, attn, pos, P)
+    nfe, rnd, end = 1, 0, 0
+    # Every response row's attention over prompt + response, built once; each block's masks are slices of it.
+    rows = attention_rows(P, torch.arange(P, P + L, device=seq.device), P + L, block_size, pad_lens)
     for s0 in range(0, L, block_size):
         if bool(done.all()):
             break
-        cl = min(block_size, L - s0)
-        end = s0 + cl
-        block = resp[:, s0 : s0 + cl]  # view: writes land in resp
-        committed = torch.zeros(B, cl, dtype=torch.bool, device=dev)
-        committed[done] = True
+        end = min(s0 + block_size, L)
+        cl = end - s0
+        block, committed = resp[:, s0:end], done[:, None].repeat(1, cl)
         block[done] = fill
-        pending = use_cache and s0 > 0  # previous block's KV not yet in the cache
-        if use_cache:
-            # The block's attention rows and positions, sliced once: [finished block, canvas] for the fold
-            # round, the canvas rows alone for the other rounds.
-            n_pend = block_size if pending else 0
-            cols = torch.arange(P + s0 - n_pend, P + s0 + cl, device=dev)
-            fold_mask = resp_rows[:, :, s0 - n_pend : s0 + cl, : P + s0 + cl].contiguous()
-            fold_pos = position_ids_for(pad_lens, cols)
-            canvas_mask, canvas_pos = fold_mask[:, :, n_pend:].contiguous(), fold_pos[:, n_pend:]
+        back = min(s0, block_size)  # the finished block, fed again by this block's first forward
+        first_mask = rows[:, :, s0 - back : end, : P + end].contiguous()  # [finished block, canvas] rows
+        canvas_mask = first_mask[:, :, back:].contiguous()
         eos_seen = False  # no row can finish inside this block before some row commits an eos in it
-        while True:
-            masked = ~committed
-            if not bool(masked.any()):
-                break
-            if not use_cache:
-                T = P + s0 + cl
-                cols = torch.arange(T, device=dev)
+        while not bool(committed.all()):
+            if back or not bool(committed[:, 1:].all()):
                 logits = model(
-                    input_ids=torch.cat([ids, resp[:, : s0 + cl]], dim=1),
-                    attention_mask=block_causal_mask(P, T, block_size, pad_lens),
-                    position_ids=position_ids_for(pad_lens, cols),
-                ).logits
-                nfe += 1
-                shifted = logits[:, P + s0 - 1 : P + s0 + cl - 1]
-            elif pending or bool(masked[:, 1:].any()):
-                logits = model(
-                    input_ids=torch.cat([resp[:, s0 - n_pend : s0], block], dim=1) if pending else block,
-                    attention_mask=fold_mask if pending else canvas_mask,
-                    position_ids=fold_pos if pending else canvas_pos,
+                    input_ids=seq[:, P + s0 - back : P + end],
+                    attention_mask=first_mask if back else canvas_mask,
+                    position_ids=pos[:, P + s0 - back : P + end],
                     cache=cache,
                     use_cache=True,
-                    # Only the last cl + 1 columns' logits are read (the finished block's last column = the
-                    # new anchor, then canvas 0..cl-2); skip the LM head for the rest of the finished block.
-                    logits_to_keep=cl + 1 if pending else cl,
+                    # The finished block's last column (the new anchor) and the canvas; the LM head skips the
+                    # rest of the finished block.
+                    logits_to_keep=cl + (1 if back else 0),
                 ).logits
                 nfe += 1
-                _crop_to(cache, P + s0)  # keep prompt + finished blocks, drop the canvas
-                if pending:
-                    anchor = logits[:, 0]
-                    logits = logits[:, 1:]
-                    pending = False
-                shifted = torch.cat([anchor[:, None], logits[:, : cl - 1]], dim=1)
-            else:  # only position 0 masked: its logits (anchor) do not depend on the canvas
+                cache.crop(-cl)  # keep prompt + finished blocks, drop the canvas
+                if back:  # column 0 is the new anchor: the logits are already token-shifted
+                    anchor, shifted, back = logits[:, 0], logits[:, :cl], 0
+                else:
+                    shifted = torch.cat([anchor[:, None], logits[:, :-1]], dim=1)
+            else:  # only position 0 open: its logits (the anchor) do not depend on the canvas
                 shifted = anchor[:, None]
-            masked = masked[:, : shifted.shape[1]]
-            c = shifted.shape[1]
-            if commit_fn is None:  # the module global, looked up per round (tests spy on it)
-                commit, pred = select_commits(shifted, masked, tau)
-            else:
-                commit, pred, lp = commit_fn(shifted, masked, tau)
-                if logprobs is not None:
-                    logprobs[:, s0 : s0 + c][commit] = lp[commit]
-            block[:, :c] = torch.where(commit, pred, block[:, :c])
-            traj[:, s0 : s0 + c].masked_fill_(commit, rnd)
-            committed[:, :c] |= commit
+            lp = None if logprobs is None else logprobs[:, s0:end]
+            eos_seen |= _commit_round(
+                shifted, committed, tau, commit_fn, block, traj[:, s0:end], lp, rnd, eos_id
+            )
             rnd += 1
-            if eos_id is not None:
-                eos_seen = eos_seen or bool((commit & (pred == eos_id)).any())
             if eos_seen:
-                newly = _finished(block, committed, eos_id) & ~done
-                if bool(newly.any()):
-                    done |= newly
-                    rest = newly[:, None] & ~committed
-                    block[rest] = fill
-                    committed |= newly[:, None]
+                _finish_rows(block, committed, done, eos_id, fill)
     resp[:, end:] = fill  # blocks never reached because every row had finished
-    return resp, nfe, traj
+    return resp.clone(), nfe, traj
+
+
+@torch.no_grad()
+def diffusion_generate_nocache(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    block_size: int,
+    tau: float,
+    mask_id: int,
+    eos_id: int | None,
+    commit_fn: CommitRule | None = None,
+    logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """The reference for `diffusion_generate`: every round re-runs prompt + finished blocks + canvas under
+    `block_causal_mask`, so every finished block is seen exactly as its own clean forward. Same arguments, tokens
+    and trajectory; nfe is one forward per round (the cached loop adds the prefill and skips the rounds where only
+    a block's first position is open)."""
+    L = max_new_tokens
+    fill = eos_id if eos_id is not None else mask_id
+    seq, pad_lens, _, pos = _layout(prompts, L, model, mask_id)
+    B, P = seq.shape[0], seq.shape[1] - L
+    _check_logprobs(logprobs, commit_fn, (B, L))
+    resp = seq[:, P:]
+    traj = torch.full((B, L), -1, dtype=torch.long, device=seq.device)
+    done = torch.zeros(B, dtype=torch.bool, device=seq.device)
+    nfe, rnd, end = 0, 0, 0
+    for s0 in range(0, L, block_size):
+        if bool(done.all()):
+            break
+        end = min(s0 + block_size, L)
+        cl = end - s0
+        block, committed = resp[:, s0:end], done[:, None].repeat(1, cl)
+        block[done] = fill
+        eos_seen = False
+        while not bool(committed.all()):
+            T = P + end
+            logits = model(
+                input_ids=seq[:, :T],
+                attention_mask=block_causal_mask(P, T, block_size, pad_lens),
+                position_ids=pos[:, :T],
+            ).logits
+            nfe += 1
+            shifted = logits[:, P + s0 - 1 : T - 1]
+            lp = None if logprobs is None else logprobs[:, s0:end]
+            eos_seen |= _commit_round(
+                shifted, committed, tau, commit_fn, block, traj[:, s0:end], lp, rnd, eos_id
+            )
+            rnd += 1
+            if eos_seen:
+                _finish_rows(block, committed, done, eos_id, fill)
+    resp[:, end:] = fill
+    return resp.clone(), nfe, traj
+
+
+@torch.no_grad()
+def spec_generate(
+    draft: torch.nn.Module,
+    verifier: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    block_size: int,
+    tau: float,
+    mask_id: int,
+    eos_id: int | None,
+) -> tuple[torch.Tensor, int, int]:
+    """Lossless speculative decoding: `ar_generate(verifier, ...)`'s tokens, with a block-diffusion draft.
+
+    Per block (aligned as in `diffusion_generate`): the `draft` fills the block's open positions with its
+    threshold-commit rounds (`select_commits` at tau), then the AR `verifier` reads the whole block in one causal
+    forward. The decoder keeps the longest prefix of the block that equals the verifier's arg-max, plus the
+    verifier's own token at the first disagreement, and reopens the positions after it for the draft. When the
+    verifier accepted a whole block as fed, its arg-max at the block's last column is the next block's first
+    token. Every kept token is the verifier's arg-max given kept tokens only (a causal column never sees the
+    drafts after it), so the output is AR greedy's whatever the draft; only the cost depends on the draft. (Up to
+    float rounding: a forward over several columns may round differently from one column at a time, which can
+    only flip an arg-max whose top two logits tie to ~1e-6.)
+
+    Both models keep a KV cache of the prompt and the finished blocks; each stores a finished block with its first
+    forward of the next block, as `diffusion_generate` does. Returns (tokens [B, max_new_tokens], nfe = draft
+    plus verifier forwards, prefills included, verifier forwards).
+    """
+    L = max_new_tokens
+    fill = eos_id if eos_id is not None else _pad_id(verifier)
+    seq, pad_lens, attn, pos = _layout(prompts, L, verifier, mask_id)
+    B, P = seq.shape[0], seq.shape[1] - L
+    resp = seq[:, P:]
+    done = torch.zeros(B, dtype=torch.bool, device=seq.device)
+    d_cache, anchor = _prefill(draft, seq, attn, pos, P)
+    v_cache, v_logits = _prefill(verifier, seq, attn, pos, P)
+    first = v_logits.argmax(-1)  # the verifier's next token (the first response token)
+    known = torch.ones_like(done)  # rows whose `first` is exact: the verifier read all their tokens before it
+    d_stored = v_stored = 0  # response columns in each cache (finished blocks only)
+    nfe, n_verify, end = 2, 1, 0
+    rows = attention_rows(P, torch.arange(P, P + L, device=seq.device), P + L, block_size, pad_lens)
+    for s0 in range(0, L, block_size):
+        if bool(done.all()):
+            break
+        end = min(s0 + block_size, L)
+        cl = end - s0
+        block = resp[:, s0:end]
+        block[:, 0] = torch.where(known, first, mask_id)
+        kept = torch.zeros(
+            B, cl, dtype=torch.bool, device=seq.device
+        )  # verified: always a prefix of the block
+        kept[:, 0] = known
+        known = torch.zeros_like(known)  # set again by this block's verifications
+        kept[done] = True
+        block[done] = fill
+        canvas_mask = rows[:, :, s0:end, : P + end].contiguous()
+        while not bool(kept.all()):
+            # Draft: commit rounds until no position is open (which round committed what is not kept).
+            drafted = kept.clone()
+            while not bool(drafted.all()):
+                if d_stored < s0 or not bool(drafted[:, 1:].all()):
+                    # A model's first forward of a block also feeds the finished blocks not yet in its cache.
+                    new = d_stored < s0
+                    logits = draft(
+                        input_ids=seq[:, P + d_stored : P + end],
+                        attention_mask=rows[:, :, d_stored:end, : P + end].contiguous()
+                        if new
+                        else canvas_mask,
+                        position_ids=pos[:, P + d_stored : P + end],
+                        cache=d_cache,
+                        use_cache=True,
+                        logits_to_keep=cl + new,
+                    ).logits
+                    nfe += 1
+                    d_cache.crop(-cl)
+                    d_stored = s0
+                    if new:  # column 0 is the last finished column: the new anchor, already token-shifted
+                        anchor, shifted = logits[:, 0], logits[:, :cl]
+                    else:
+                        shifted = torch.cat([anchor[:, None], logits[:, :-1]], dim=1)
+                else:
+                    shifted = anchor[:, None]
+                _commit_round(shifted, drafted, tau, None, block, None, None, 0, None)
+            # Verify: the verifier's arg-max for every position of the block, in one causal forward.
+            new = v_stored < s0
+            logits = verifier(
+                input_ids=seq[:, P + v_stored : P + end],
+                attention_mask=attn[:, : P + end],
+                position_ids=pos[:, P + v_stored : P + end],
+                cache=v_cache,
+                use_cache=True,
+                logits_to_keep=cl + new,
+            ).logits
+            nfe += 1
+            n_verify += 1
+            v_cache.crop(-cl)
+            v_stored = s0
+            top = logits.argmax(-1)
+            if new:  # column 0 is the last finished column: it predicts position 0
+                want = top[:, :cl]
+            else:  # position 0 is kept by now (the block's first verification kept or corrected it)
+                want = torch.cat([block[:, :1], top[:, :-1]], dim=1)
+            wrong = ~kept & (block != want)
+            j = torch.where(wrong.any(-1), wrong.long().argmax(-1), cl)  # first disagreement (cl: none)
+            cols = torch.arange(cl, device=seq.device)[None, :]
+            fix = cols == j[:, None]
+            block[fix] = want[fix]
+            kept = cols <= j[:, None]
+            block[~kept] = mask_id
+            known, first = j == cl, top[:, -1]  # all of the block read as kept: its next token is exact
+            if eos_id is not None:  # a kept eos ends its row: AR writes eos after it
+                eos = (kept & (block == eos_id)).long()
+                after = (eos.cumsum(-1) - eos) > 0
+                block[after] = fill
+                kept |= after
+                done |= eos.bool().any(-1)
+    resp[:, end:] = fill
+    return resp.clone(), nfe, n_verify

@@ -11,7 +11,8 @@ Rules (each one line in `reasons`, prefixed PASS/FAIL/SKIP):
   ltr        ltr recall@1 - candidate recall@1 <= max_gap_to_ltr (only when an `ltr` row exists): a GBDT on the
              same evidence is what the platform would serve instead
   validity   validity >= min_validity
-  speedup    speedup_vs_ar >= min_speedup (only when the row reports it)
+  speedup    the lower bound of speedup_vs_ar's 95% interval over the timing repeats (speedup_ci95; the point
+             estimate when the row has no interval) >= min_speedup (only when the row reports a speedup)
   production candidate recall@1 >= production recall@1 - max_drop_vs_production (only with a production model)
 """
 
@@ -139,10 +140,13 @@ def decide(
     if speedup is None:
         record("speedup", None, "row has no speedup_vs_ar")
     else:
+        ci = row.get("speedup_ci95")  # timing noise: a point estimate alone passes or fails on a lucky repeat
+        low = float(ci[0]) if ci else float(speedup)
+        spread = f", 95% interval [{float(ci[0]):.2f}, {float(ci[1]):.2f}]" if ci else ", no interval"
         record(
             "speedup",
-            float(speedup) >= cfg.min_speedup,
-            f"speedup {float(speedup):.2f}x (min {cfg.min_speedup}x)",
+            low >= cfg.min_speedup,
+            f"speedup {float(speedup):.2f}x{spread}: lower bound {low:.2f}x (min {cfg.min_speedup}x)",
         )
 
     if production is None:

@@ -7,8 +7,9 @@ One code path turns (history, candidates) into a ranking for evaluation and for 
 
 Bundle layout (written by `save_bundle`, read by `load_reranker` through the "generative" kind):
 
-    reranker.json     kind, name, n_candidates, block_size (0 = AR), max_new_tokens, lineage
+    reranker.json     kind, name, n_candidates, block_size (0 = AR), max_new_tokens, lineage, verifier
     model/            save_pretrained (safetensors) + gr2_model.json
+    verifier/         (diffusion students from OPD on) the AR teacher, as model/: the "spec" decoder's verifier
     tokenizer/        the closed-vocabulary HF tokenizer
     sids.json         semantic IDs (item -> 4 codes)
     evidence/         per-item evidence tables + bucket edges (what the feature store serves)
@@ -27,15 +28,16 @@ from typing import Any
 
 import torch
 
-from gr2.decode import ar_generate, diffusion_generate
+from gr2.decode import ar_generate, diffusion_generate, spec_generate
 from gr2.evidence import Evidence
-from gr2.inference import CONFIG_FILE, ITEMS_FILE, RankRequest, RankResult, register_reranker
+from gr2.inference import CONFIG_FILE, DECODERS, ITEMS_FILE, RankRequest, RankResult, register_reranker
 from gr2.model import load_model, save_model
 from gr2.prompt import encode_prompt, parse_response
 from gr2.sid import SemanticIds
 from gr2.tokenizer import load_tokenizer
 
 KIND = "generative"
+VERIFIER_DIR = "verifier"  # the folder, and the reranker.json key naming it
 
 
 @dataclass
@@ -43,12 +45,16 @@ class Decoded:
     """Raw decoding output for a list of prompts (one entry per prompt)."""
 
     responses: list[list[int]]  # generated ids up to and including the first eos
-    nfe: int  # forward passes summed over batches
+    nfe: int  # forward passes summed over batches (spec: draft and verifier forwards)
     seconds: float  # wall time of the decoding calls
+    verifier_nfe: int = 0  # spec: the verifier's forwards among nfe
 
 
 class GenerativeReranker:
-    """GR2 (block_size 0: AR) or Diffusion-GR2 (block_size > 0) loaded from a bundle."""
+    """GR2 (block_size 0: AR) or Diffusion-GR2 (block_size > 0) loaded from a bundle.
+
+    Decoders: "ar", "diffusion" (block_size > 0) and "spec" (block_size > 0 and a `verifier`: the AR model whose
+    greedy output speculative decoding reproduces, the model drafting)."""
 
     kind = KIND
 
@@ -59,8 +65,10 @@ class GenerativeReranker:
         sids: SemanticIds,
         evidence: Evidence,
         config: dict,
+        verifier: torch.nn.Module | None = None,
     ):
         self.model, self.tokenizer, self.sids, self.evidence = model, tokenizer, sids, evidence
+        self.verifier = verifier
         self.config = config
         self.name = str(config.get("name", KIND))
         self.n_candidates = int(config.get("n_candidates", 10))
@@ -68,6 +76,19 @@ class GenerativeReranker:
         self.max_new_tokens = int(config["max_new_tokens"])
         self.batch_size = int(config.get("batch_size", 32))
         self.item_tokens = str(config.get("prompt", {}).get("item_tokens", "all"))  # bundles before it: "all"
+
+    @property
+    def decoders(self) -> tuple[str, ...]:
+        """The decoders this model can run (serving rejects the others per request)."""
+        if self.block_size < 1:
+            return ("ar",)
+        return DECODERS if self.verifier is not None else ("diffusion", "ar")
+
+    def with_verifier(self, verifier: torch.nn.Module, name: str) -> GenerativeReranker:
+        """The same model (shared, not copied) with another verifier and name."""
+        return GenerativeReranker(
+            self.model, self.tokenizer, self.sids, self.evidence, {**self.config, "name": name}, verifier
+        )
 
     # ------------------------------------------------------------------ the Reranker protocol
     def known_item(self, item_id: str) -> bool:
@@ -140,22 +161,37 @@ class GenerativeReranker:
         tau: float = 0.9,
         batch_size: int | None = None,
     ) -> Decoded:
-        """Decode prompts in batches of `batch_size`; decoder "ar" or "diffusion" (needs block_size > 0)."""
-        if decoder not in ("ar", "diffusion"):
-            raise ValueError(f"decoder must be 'ar' or 'diffusion', got {decoder!r}")
-        if decoder == "diffusion" and self.block_size < 1:
+        """Decode prompts in batches of `batch_size`; decoder "ar", "diffusion" (needs block_size > 0) or "spec"
+        (also needs a verifier; tau is the draft's)."""
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {list(DECODERS)}, got {decoder!r}")
+        if decoder != "ar" and self.block_size < 1:
             raise ValueError(f"{self.name} is an AR model (block_size 0): use decoder='ar'")
+        if decoder == "spec" and self.verifier is None:
+            raise ValueError(f"{self.name} has no verifier (bundle without verifier/): 'spec' needs one")
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
         bs = batch_size or self.batch_size
         eos = self.tokenizer.eos_token_id
         responses: list[list[int]] = []
-        nfe, seconds = 0, 0.0
+        nfe, verifier_nfe, seconds = 0, 0, 0.0
         for b0 in range(0, len(prompts), bs):
             chunk = prompts[b0 : b0 + bs]
             t0 = time.perf_counter()
             if decoder == "ar":
                 toks, n = ar_generate(self.model, chunk, self.max_new_tokens, eos)
+            elif decoder == "spec":
+                toks, n, n_verify = spec_generate(
+                    self.model,
+                    self.verifier,
+                    chunk,
+                    self.max_new_tokens,
+                    self.block_size,
+                    tau,
+                    self.tokenizer.mask_token_id,
+                    eos,
+                )
+                verifier_nfe += n_verify
             else:
                 toks, n, _ = diffusion_generate(
                     self.model,
@@ -169,7 +205,7 @@ class GenerativeReranker:
             seconds += time.perf_counter() - t0
             nfe += n
             responses += [_until_eos(row, eos) for row in toks.tolist()]
-        return Decoded(responses, nfe, seconds)
+        return Decoded(responses, nfe, seconds, verifier_nfe)
 
     def read_answer(self, response: list[int], n: int) -> tuple[list[int], bool, str | None, str | None]:
         """(ranking indices, valid, reason, trace). Invalid output falls back to the upstream order."""
@@ -196,8 +232,9 @@ def save_bundle(
     sids: SemanticIds,
     evidence: Evidence,
     config: dict,
+    verifier: torch.nn.Module | None = None,
 ) -> Path:
-    """Write a loadable model directory (see the module docstring)."""
+    """Write a loadable model directory (see the module docstring); `verifier` (an AR model) goes to verifier/."""
     out = Path(out_dir)
     if out.exists():
         shutil.rmtree(out)
@@ -209,6 +246,10 @@ def save_bundle(
     (out / ITEMS_FILE).write_text("".join(f"{i}\n" for i in sorted(sids.codes)))
     cfg = {"kind": KIND, **config}
     cfg["block_size"] = int(getattr(model.config, "gr2_block_size", 0) or 0)
+    cfg.pop(VERIFIER_DIR, None)  # a parent's entry (`config` often copies it) names no file of this bundle
+    if verifier is not None:
+        save_model(verifier, out / VERIFIER_DIR)
+        cfg[VERIFIER_DIR] = VERIFIER_DIR
     (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, default=str) + "\n")
     return out
 
@@ -232,7 +273,13 @@ def load_bundle_parts(path: str | Path) -> tuple[torch.nn.Module, Any, SemanticI
     )
 
 
+def load_verifier(path: str | Path) -> torch.nn.Module | None:
+    """The bundle's verifier (its AR teacher, for the "spec" decoder), or None when it has none."""
+    sub = json.loads((Path(path) / CONFIG_FILE).read_text()).get(VERIFIER_DIR)
+    return load_model(Path(path) / sub)[0] if sub else None
+
+
 @register_reranker(KIND)
 def _load_generative(path: Path, cfg: dict) -> GenerativeReranker:
     model, tok, sids, ev, cfg = load_bundle_parts(path)
-    return GenerativeReranker(model, tok, sids, ev, cfg)
+    return GenerativeReranker(model, tok, sids, ev, cfg, load_verifier(path))

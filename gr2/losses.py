@@ -137,17 +137,11 @@ def bd3_mask(prompt_len: int, resp_len: int, block_size: int, pad_lens: torch.Te
     return m.unsqueeze(1)
 
 
-def diffusion_loss_from_masks(
-    model: torch.nn.Module,
-    batch: Batch,
-    masks: torch.Tensor,
-    p_mask: torch.Tensor,
-    block_size: int,
-    mask_id: int,
-    weighting: str = "inv_t",
-    certainty_weight: float = 0.0,
+def diffusion_logits(
+    model: torch.nn.Module, batch: Batch, masks: torch.Tensor, block_size: int, mask_id: int
 ) -> torch.Tensor:
-    """Masked-diffusion CE for given masks [V, B, R] (all views in one forward of V*B rows, BD3-LM layout).
+    """Logits [V*B, R, vocab] predicting every response position of the V noised views of `batch` (masks
+    [V, B, R]), all views in one forward of V*B rows (BD3-LM layout).
 
     Token shift: response position r is predicted from column r-1 of its own noisy block, or for a block's
     first position from the last clean token before the block (the x_0 copy / the prompt), as in decoding.
@@ -163,13 +157,42 @@ def diffusion_loss_from_masks(
     pos = position_ids_for(pad_lens, torch.cat([cols, cols[P:]]))
     r = torch.arange(R, device=dev)
     src = torch.where(r % block_size == 0, P + r - 1, P + R + r - 1)  # column whose logits predict r
-    logits = model(
+    return model(
         input_ids=seq,
         attention_mask=bd3_mask(P, R, block_size, pad_lens),
         position_ids=pos,
         logits_to_keep=src,
-    ).logits  # [V*B, R, vocab]
-    return _masked_ce(logits, x0, batch.weights[:, P:], masks, p_mask, weighting, certainty_weight)
+    ).logits
+
+
+def diffusion_loss_from_masks(
+    model: torch.nn.Module,
+    batch: Batch,
+    masks: torch.Tensor,
+    p_mask: torch.Tensor,
+    block_size: int,
+    mask_id: int,
+    weighting: str = "inv_t",
+    certainty_weight: float = 0.0,
+) -> torch.Tensor:
+    """Masked-diffusion CE for given masks [V, B, R] (`diffusion_logits`: all views in one forward)."""
+    logits = diffusion_logits(model, batch, masks, block_size, mask_id)
+    x0 = batch.input_ids[:, batch.prompt_len :]
+    return _masked_ce(
+        logits, x0, batch.weights[:, batch.prompt_len :], masks, p_mask, weighting, certainty_weight
+    )
+
+
+def certainty_entropy(logp: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Certainty forcing (dParallel, Chen et al. 2025): the mean entropy of the predictive distributions
+    `logp` [N, vocab] (log-probs) whose arg-max already is the target [N], over those with weight > 0.
+
+    Why: the decoder commits a position in a round only when its top-1 probability clears tau; a model that is
+    right but unsure (0.6 on the right token) takes one round per such position. Sharpening only the positions it
+    gets right does not move the arg-max (what greedy decoding writes)."""
+    right = (weights > 0) & (logp.argmax(-1) == targets)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return (entropy * right).sum() / right.sum().clamp(min=1)
 
 
 def _masked_ce(
@@ -181,14 +204,8 @@ def _masked_ce(
     weighting: str,
     certainty_weight: float = 0.0,
 ) -> torch.Tensor:
-    """Weighted CE over the masked response positions (+ certainty forcing when certainty_weight > 0).
-
-    Certainty forcing (dParallel, Chen et al. 2025): + certainty_weight * the mean entropy of the predictive
-    distribution over the masked positions (weight > 0) whose arg-max already is the target. Why: the decoder
-    commits a position in a round only when its top-1 probability clears tau; a student that is right but
-    unsure (0.6 on the teacher's token) takes one round per such position. Sharpening only the positions it gets
-    right leaves the wrong ones to the CE term, so the arg-max (what greedy decoding writes) does not move.
-    """
+    """Weighted CE over the masked response positions, + certainty_weight * `certainty_entropy` over them (the
+    positions the student gets wrong are left to the CE term)."""
     V = masks.shape[0]
     sel = masks.flatten(0, 1)
     tgt = x0.repeat(V, 1)[sel]
@@ -202,9 +219,7 @@ def _masked_ce(
         raise ValueError(f"unknown weighting {weighting!r} (inv_t | none)")
     loss = (ce * scale).sum() / (V * (w > 0).sum().clamp(min=1))
     if certainty_weight > 0:
-        right = (wsel > 0) & (logp.argmax(-1) == tgt)
-        entropy = -(logp.exp() * logp).sum(-1)
-        loss = loss + certainty_weight * (entropy * right).sum() / right.sum().clamp(min=1)
+        loss = loss + certainty_weight * certainty_entropy(logp, tgt, wsel)
     return loss
 
 

@@ -1,4 +1,5 @@
-"""The backbone (a tiny `transformers` Llama) and the one attention mask used by every block-diffusion path.
+"""The backbone (a tiny `transformers` Llama, or a pretrained causal LM) and the one attention mask used by every
+block-diffusion path.
 
 AR and block-diffusion models are the same `LlamaForCausalLM`: conversion copies the weights unchanged and only
 records `gr2_block_size` and `mask_token_id` in the config (PAPER 3.1). What changes is the attention mask that
@@ -10,6 +11,17 @@ column P; responses are right-padded. `pad_lens[b]` = number of left-pad columns
 `column - pad_lens[b]`, so a row's real tokens get the same positions with or without padding.
 
 The attention implementation is pinned to "sdpa": it honours a 4D boolean mask; "eager" does not (STACK.md).
+
+Pretrained backbones (`load_pretrained`, ModelConfig.pretrained): any transformers causal LM whose decoder is
+`model.model` with head `model.lm_head` (Llama, Qwen2, SmolLM, ...). The project's tokenizer is a closed
+WordLevel vocabulary (gr2/tokenizer.py: SID codes, labels, evidence buckets, JSON punctuation), so the backbone
+takes that vocabulary: its embedding and head matrices are replaced by ones with a row per project token,
+each row initialised to the mean of the pretrained rows of the pieces the backbone's own tokenizer cuts that
+token's text into ("{" -> the row of "{", "<score_3>" -> mean of "<", "score", "_", "3", ">"); the special
+tokens take the backbone's bos / eos rows, the rest (mask, pad, unknown pieces) the mean row. The transformer
+layers keep their pretrained weights. Everything downstream (conversion, decoders, OPD, RL, serving) sees an
+ordinary model over the project's token ids. `add_lora` puts LoRA adapters (peft) on the projections and
+keeps the embeddings trainable (they are new); `save_model` folds the adapters back, so bundles are plain.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from gr2.config import ModelConfig
 
@@ -69,6 +81,126 @@ def build_model(
     return model
 
 
+def _source(pretrained: str) -> tuple[str, dict[str, Any]]:
+    """(from_pretrained path or hub id, extra kwargs): a .gguf file loads through transformers' GGUF reader."""
+    p = Path(pretrained).expanduser()
+    if p.suffix == ".gguf":
+        return str(p.parent), {"gguf_file": p.name}
+    if p.exists():
+        return str(p), {}
+    return pretrained, {"local_files_only": True}  # a hub id: the local cache only, never a download
+
+
+def _piece_rows(src_tok: Any, token: str) -> list[int]:
+    if src_tok is None:
+        return []
+    special = {"<bos>": src_tok.bos_token_id, "<eos>": src_tok.eos_token_id}
+    if token in special:
+        return [special[token]] if special[token] is not None else []
+    if token in ("<pad>", "<mask>", "<unk>"):
+        return []
+    return [i for i in src_tok(token, add_special_tokens=False)["input_ids"] if i is not None]
+
+
+def transfer_vocabulary(model: torch.nn.Module, src_tok: Any, tokenizer: Any) -> None:
+    """Give `model` the project vocabulary: one embedding (and head) row per project token, the mean of the
+    pretrained rows of its pieces under `src_tok` (module docstring). `src_tok` None: every row the mean row."""
+    old_in = model.get_input_embeddings().weight.detach().clone()
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    old_out = None if tied else model.get_output_embeddings().weight.detach().clone()
+    vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    model.resize_token_embeddings(len(tokenizer))
+    for new, old in (
+        (model.get_input_embeddings().weight, old_in),
+        (model.get_output_embeddings().weight, old_out),
+    ):
+        if old is None:
+            continue
+        rows = [_piece_rows(src_tok, t) for t in vocab]
+        with torch.no_grad():
+            new.copy_(torch.stack([old[r].mean(0) if r else old.mean(0) for r in rows]))
+    model.config.vocab_size = len(tokenizer)
+
+
+def load_pretrained(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
+    """The SFT starting point from `cfg.pretrained` (a folder, a .gguf file, or a cached hub id), with the
+    project vocabulary (`transfer_vocabulary`), its special ids, sdpa attention and fp32 weights."""
+    from transformers import AutoTokenizer
+
+    src, kw = _source(cfg.pretrained)
+    model = AutoModelForCausalLM.from_pretrained(
+        src, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION, **kw
+    )
+    try:
+        src_tok = AutoTokenizer.from_pretrained(src, **kw)
+    except (OSError, ValueError, KeyError):  # weights without a tokenizer: every row starts at the mean row
+        src_tok = None
+    transfer_vocabulary(model, src_tok, tokenizer)
+    c = model.config
+    c.pad_token_id, c.eos_token_id, c.bos_token_id = (
+        tokenizer.pad_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.bos_token_id,
+    )
+    c.mask_token_id = tokenizer.mask_token_id
+    c.gr2_block_size = 0
+    c.gr2_model = dataclasses.asdict(cfg)
+    if (
+        getattr(model, "generation_config", None) is not None
+    ):  # keep save_pretrained's consistency check quiet
+        g = model.generation_config
+        g.pad_token_id, g.eos_token_id, g.bos_token_id = c.pad_token_id, c.eos_token_id, c.bos_token_id
+    model.eval()
+    return model
+
+
+def build_backbone(cfg: ModelConfig, tokenizer: Any, seed: int | None = None) -> torch.nn.Module:
+    """What SFT starts from: `cfg.pretrained` if set, else a fresh Llama sized by `cfg`; LoRA if cfg.lora_rank."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    if cfg.pretrained:
+        model = load_pretrained(cfg, tokenizer)
+    else:
+        t = tokenizer
+        model = build_model(
+            cfg, len(t), t.pad_token_id, t.eos_token_id, t.bos_token_id, t.mask_token_id, seed
+        )
+    return add_lora(model, cfg)
+
+
+def add_lora(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
+    """LoRA adapters (peft) on cfg.lora_targets, injected in place so the model keeps its class, `model.model`,
+    `lm_head` and config (what the losses and decoders use). Trainable: the adapters and the embeddings / head
+    (the project vocabulary is new to the backbone). No-op when cfg.lora_rank is 0."""
+    if cfg.lora_rank <= 0:
+        return model
+    from peft import LoraConfig, inject_adapter_in_model
+
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.lora_targets))
+    inject_adapter_in_model(lora, model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    model.get_input_embeddings().weight.requires_grad_(True)
+    model.get_output_embeddings().weight.requires_grad_(True)
+    return model
+
+
+def merge_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """Fold every LoRA adapter into its base layer and put the base layer back (in place); no-op without LoRA."""
+    if not any("lora_" in name for name, _ in model.named_parameters()):
+        return model
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge()
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module.get_base_layer())
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
 def n_params(model: torch.nn.Module) -> int:
     """Unique parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -93,7 +225,11 @@ def convert_to_diffusion(model: LlamaForCausalLM, block_size: int, mask_id: int)
 
 
 def save_model(model: LlamaForCausalLM, out_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
-    """`save_pretrained` (safetensors) plus `gr2_model.json` (our ModelConfig, block size, special ids)."""
+    """`save_pretrained` (safetensors) plus `gr2_model.json` (our ModelConfig, block size, special ids).
+
+    LoRA adapters are merged into the weights first (in place: call it when training is done), so a saved model
+    is always a plain one that `load_model` and serving read without peft."""
+    merge_lora(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -118,7 +254,7 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, dict[str, Any]]:
     """Load a model saved by `save_model`; returns (model in eval mode, our meta dict)."""
     path = Path(path)
-    model = LlamaForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(  # a Llama, or the class of a pretrained backbone
         path, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32
     )
     meta_path = path / META_FILE

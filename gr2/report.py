@@ -103,12 +103,16 @@ def fmt_ci(row: dict, m: str, key: str = "ci95", sign: bool = False) -> str:
 
 def speed_markdown(speed: list[dict]) -> list[str]:
     """The speed rows (report.json `speed`) as a Markdown table, one line per entry."""
-    out = ["| model | tau | batch | tokens/s | nfe/seq | tokens/forward | speedup vs AR | ideal speedup |"]
+    out = [
+        "| model | tau | batch | tokens/s | nfe/seq | tokens/forward | speedup vs AR [95% CI] | ideal speedup |"
+    ]
     out += ["|---|---|---|---|---|---|---|---|"]
     for s in speed:
+        lo_hi = s.get("speedup_ci95")  # the 95% interval over the timing repeats (absent: one repeat)
+        ci = f" [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}]" if lo_hi else ""
         out += [
             f"| {s['model']} | {fmt_value(s.get('tau'), 2)} | {s['batch']} | {s['tokens_per_s']:.1f} | "
-            f"{s['nfe_per_seq']:.1f} | {s['tokens_per_forward']:.2f} | {s['speedup_vs_ar']:.2f} | "
+            f"{s['nfe_per_seq']:.1f} | {s['tokens_per_forward']:.2f} | {s['speedup_vs_ar']:.2f}{ci} | "
             f"{s['ideal_speedup']:.2f} |"
         ]
     return out

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from gr2.decode import ar_generate, diffusion_generate, left_pad, threshold_commits
-from gr2.losses import Batch
+from gr2.losses import Batch, certainty_entropy, diffusion_logits, sample_masks
 from gr2.model import block_causal_mask, position_ids_for
 
 
@@ -367,6 +367,34 @@ def clipped_surrogate(
     return loss, stats
 
 
+def rollout_certainty(
+    model: torch.nn.Module,
+    batch: RolloutBatch,
+    block_size: int,
+    mask_id: int,
+    eos_id: int,
+    rng: torch.Generator,
+) -> torch.Tensor:
+    """Certainty forcing on the rollouts themselves (dParallel trains it on the model's own outputs): the
+    responses noised block by block as in CFT (one view), and `certainty_entropy` at the masked scored positions
+    whose arg-max already is the rollout's token.
+
+    Why RL needs it: the replay scores each token only on the canvas it was committed from, so nothing in the
+    GRPO loss asks a position to be sure while other positions of its block are still masks, and CFT's
+    certainty wears off (tokens per forward fell over RL). This term keeps it at no cost to the arg-max."""
+    P, R = batch.prompt_len, batch.resp_len
+    pad = -R % block_size  # noise needs whole blocks: pad with eos, what the decoder leaves after an answer
+    resp = F.pad(batch.input_ids[:, P:], (0, pad), value=eos_id)
+    w = F.pad(batch.weights[:, P:], (0, pad))
+    b = Batch(
+        torch.cat([batch.input_ids[:, :P], resp], 1), F.pad(batch.weights, (0, pad)), batch.pad_lens, P, 0
+    )
+    masks, _ = sample_masks(b, block_size, rng, complementary=False)
+    logits = diffusion_logits(model, b, masks, block_size, mask_id)  # [B, R + pad, V]
+    sel = masks[0] & (w > 0)
+    return certainty_entropy(logits[sel].float().log_softmax(-1), resp[sel], w[sel])
+
+
 def grpo_loss(
     model: torch.nn.Module,
     batch: RolloutBatch,
@@ -375,14 +403,29 @@ def grpo_loss(
     temperature: float,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    certainty_weight: float = 0.0,
+    eos_id: int | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """The RL loss of a rollout batch: replayed (or AR) log-probs -> clipped surrogate.
+    """The RL loss of a rollout batch: replayed (or AR) log-probs -> clipped surrogate, plus
+    certainty_weight * `rollout_certainty` (block diffusion only; its noise is seeded by the step, so a resumed
+    run draws the same).
 
-    A batch whose advantages are all zero (every group dropped) has no gradient: skip the replay forward and
-    return a zero loss still attached to the parameters (the shared loop calls backward on it)."""
+    A batch whose advantages are all zero (every group dropped) has no policy gradient: skip the replay forward,
+    the surrogate is a zero still attached to the parameters (the shared loop calls backward on it)."""
+    if certainty_weight > 0 and (block_size <= 0 or mask_id is None or eos_id is None):
+        raise ValueError("certainty forcing needs a block-diffusion model, mask_id and eos_id")
     if not bool((batch.advantages != 0).any()):
-        zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-        return zero, {"clip_frac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0}
-    logits = policy_logits(model, batch, block_size, mask_id)
-    lp = token_logprobs(logits, batch.input_ids[:, batch.prompt_len :], temperature)
-    return clipped_surrogate(lp, batch.old_logprobs, batch.advantages, batch.scored, clip_eps, clip_eps_high)
+        loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        stats = {"clip_frac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0}
+    else:
+        logits = policy_logits(model, batch, block_size, mask_id)
+        lp = token_logprobs(logits, batch.input_ids[:, batch.prompt_len :], temperature)
+        loss, stats = clipped_surrogate(
+            lp, batch.old_logprobs, batch.advantages, batch.scored, clip_eps, clip_eps_high
+        )
+    if certainty_weight > 0:
+        rng = torch.Generator().manual_seed(max(batch.step, 0))
+        cf = rollout_certainty(model, batch, block_size, mask_id, eos_id, rng)
+        loss = loss + certainty_weight * cf
+        stats["certainty_entropy"] = float(cf.detach())
+    return loss, stats

@@ -1,5 +1,6 @@
 """The retraining DAG: ingest -> feast apply/materialize -> extract -> validate -> candidates -> validate ->
-model stages (floor/ltr, SFT data, AR teacher + no-trace ablation, conversion + CFT, evaluation, gate, deploy).
+model stages (floor/ltr, SFT data, AR teacher + no-trace ablation, conversion + CFT, evaluation, gate, deploy,
+canary analysis).
 Every step is a component in components/; `make run` executes this same definition locally with kfp.local
 (pipelines/run_local.py) and `make compile` writes it as cluster YAML (pipelines/cli.py).
 
@@ -11,6 +12,7 @@ The model stages sit in `_model_stages`, under both validation conditions: a fai
 
 from kfp import dsl
 
+from components.canary_analysis import canary_analysis
 from components.candidates import candidates
 from components.convert_cft import convert_cft
 from components.deploy import deploy
@@ -26,37 +28,56 @@ from components.record_outcome import record_outcome
 from components.rl import rl
 from components.train_ar_teacher import train_ar_teacher
 from components.validate import validate
-from pipelines.resources import cpu_task, gpu_task
+from pipelines.resources import cpu_task, gpu_task, train_task
 
 PIPELINE_NAME = "gr2-retraining"
 
 
-def _model_stages(sources, examples, profile, dataset, candidate, canary_percent, deploy_dry_run) -> None:
+def _model_stages(
+    sources,
+    examples,
+    profile,
+    dataset,
+    candidate,
+    canary_percent,
+    deploy_dry_run,
+    prometheus_url,
+    nodes,
+    gpus,
+) -> None:
     """Model stages on validated examples (PAPER section 4's stage table): floor/ltr; the AR teacher = SFT
     (`ar_sft`) + RL (`ar`), and its no-trace ablation; conversion (`naive`) + CFT from the final teacher; OPD
     from that teacher; RL of the student (`rl`, the deployable model); the table with speed; the gate; and
-    (only if the gate passes) the canary deployment of the RL student."""
+    (only if the gate passes) the canary deployment of the RL student, then (only if its canary runs) the
+    canary analysis that promotes or rolls back. The four training stages run as TrainJobs of `nodes` x `gpus`
+    processes on a cluster."""
+    scale = {"train_nodes": nodes, "gpus_per_node": gpus}
     floor = cpu_task(evaluate_floor(sources=sources, examples=examples, profile=profile, dataset=dataset))
     floor.set_display_name("evaluate-floor")
     sft = cpu_task(prepare_sft(sources=sources, examples=examples, profile=profile))
     data = sft.outputs["sft_data"]
-    ar_sft = gpu_task(train_ar_teacher(sft_data=data, profile=profile, variant="trace"))
+    ar_sft = train_task(train_ar_teacher(sft_data=data, profile=profile, variant="trace", **scale))
     ar_sft.set_display_name("train-ar-teacher")
-    ar = gpu_task(rl(in_model=ar_sft.outputs["model"], sft_data=data, examples=examples, profile=profile))
+    ar = train_task(
+        rl(in_model=ar_sft.outputs["model"], sft_data=data, examples=examples, profile=profile, **scale)
+    )
     ar.set_display_name("rl-ar-teacher")
-    ar_nt = gpu_task(train_ar_teacher(sft_data=data, profile=profile, variant="ar_no_trace"))
+    ar_nt = train_task(train_ar_teacher(sft_data=data, profile=profile, variant="ar_no_trace", **scale))
     ar_nt.set_display_name("train-ar-no-trace")
-    cft = gpu_task(convert_cft(ar_model=ar.outputs["model"], sft_data=data, profile=profile))
-    opd = gpu_task(
+    cft = train_task(convert_cft(ar_model=ar.outputs["model"], sft_data=data, profile=profile, **scale))
+    opd = train_task(
         distill_on_policy(
             student_model=cft.outputs["model"],
             teacher_model=ar.outputs["model"],
             sft_data=data,
             examples=examples,
             profile=profile,
+            **scale,
         )
     )
-    student = gpu_task(rl(in_model=opd.outputs["model"], sft_data=data, examples=examples, profile=profile))
+    student = train_task(
+        rl(in_model=opd.outputs["model"], sft_data=data, examples=examples, profile=profile, **scale)
+    )
     student.set_display_name("rl-diffusion")
     ev = gpu_task(
         evaluate_models(
@@ -78,7 +99,7 @@ def _model_stages(sources, examples, profile, dataset, candidate, canary_percent
         retries=1,
     )
     with dsl.If(g.outputs["Output"] == True, name="gate-passed"):  # noqa: E712 (a KFP condition, not a bool)
-        cpu_task(
+        dep = cpu_task(
             deploy(
                 model=student.outputs["model"],
                 decision=g.outputs["decision"],
@@ -86,9 +107,21 @@ def _model_stages(sources, examples, profile, dataset, candidate, canary_percent
                 stage="rl",
                 canary_percent=canary_percent,
                 dry_run=deploy_dry_run,
+                examples=examples,  # the smoke test's request
             ),
             retries=1,  # the artifact store and the Kubernetes API
         )
+        with dsl.If(dep.outputs["Output"] == "canary", name="canary-running"):
+            cpu_task(
+                canary_analysis(
+                    plan=dep.outputs["plan"],
+                    examples=examples,
+                    profile=profile,
+                    prometheus_url=prometheus_url,
+                ),
+                cpu="500m",
+                memory="1G",
+            ).set_caching_options(False)  # a decision about the live cluster, never a cached one
 
 
 @dsl.pipeline(
@@ -105,6 +138,9 @@ def gr2_pipeline(
     candidate: str = "rl",
     canary_percent: int = 10,
     deploy_dry_run: bool = True,
+    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090",
+    train_nodes: int = 1,
+    train_gpus_per_node: int = 1,
 ):
     """`snapshot_date` (the data version, recorded by ingest and the outcome) is part of every cache key, and
     ingest is never cached, so no run reuses another day's data. The whole DAG sits in an exit handler that
@@ -112,7 +148,8 @@ def gr2_pipeline(
 
     `fs_yaml` = "" uses a per-run local feature store; a path (e.g. feature_repo/envs/prod.feature_store.yaml)
     selects an environment's registry / offline / online stores. `bounds_json` overrides validation
-    row-count bounds (components/_lib/validation.py Bounds), e.g. for a small slice.
+    row-count bounds (components/_lib/validation.py Bounds), e.g. for a small slice. `train_nodes` x
+    `train_gpus_per_node`: the size of each training stage's TrainJob (locally: 1 node, that many processes).
     """
     # The exit handler runs last whatever happens inside (kfp.local runs it too): it records the run's outcome.
     done = cpu_task(
@@ -173,6 +210,9 @@ def gr2_pipeline(
                     candidate,
                     canary_percent,
                     deploy_dry_run,
+                    prometheus_url,
+                    train_nodes,
+                    train_gpus_per_node,
                 )
 
 

@@ -1,15 +1,27 @@
 """Kubernetes settings of pipeline tasks, in one place (kfp.local ignores them; the cluster honours them).
 
-GPU steps (training, decoding) land on the GPU node pool: accelerator limit, node selector, the nvidia.com/gpu
-toleration, resource requests and retries with backoff. Every task gets the artifact-store credentials from a
-Kubernetes Secret as environment variables (never from pipeline parameters)."""
+Training steps submit Kubeflow Trainer TrainJobs (`train_task`). GPU steps (decoding) land on the GPU node pool:
+accelerator limit, node selector, the nvidia.com/gpu toleration, resource requests and retries with backoff. The
+pool's label and taint are defined once, in the kustomize component that puts the serving predictor there
+(manifests/components/gpu-pool/gpu-pool.yaml); TrainJobs use the same. Every task gets the artifact-store
+credentials from a Kubernetes Secret as environment variables (never from pipeline parameters)."""
 
 import os
+from pathlib import Path
 
+import yaml
 from kfp import kubernetes
 
-GPU_POOL_LABEL = os.environ.get("GR2_GPU_POOL_LABEL", "gr2.dev/pool")
-GPU_POOL_VALUE = os.environ.get("GR2_GPU_POOL_VALUE", "gpu")
+from components._lib.trainjob import MOUNT as TRAIN_MOUNT
+from components._lib.trainjob import PVC as TRAIN_PVC
+
+_POOL = yaml.safe_load(
+    (
+        Path(__file__).resolve().parents[1] / "manifests" / "components" / "gpu-pool" / "gpu-pool.yaml"
+    ).read_text()
+)["spec"]["predictor"]
+[(GPU_POOL_LABEL, GPU_POOL_VALUE)] = _POOL["nodeSelector"].items()
+[GPU_TOLERATION] = _POOL["tolerations"]  # {key, operator, effect}
 GPU_TYPE = os.environ.get("GR2_GPU_TYPE", "nvidia.com/gpu")
 S3_SECRET = os.environ.get("GR2_S3_SECRET", "gr2-s3-credentials")
 S3_SECRET_KEYS = {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"}
@@ -45,5 +57,16 @@ def gpu_task(task, gpus: int = 1, cpu: str = "8", memory: str = "32G"):
     task.set_cpu_request(cpu).set_memory_request(memory)
     task.set_retry(2, backoff_duration="60s", backoff_factor=2, backoff_max_duration="1800s")
     kubernetes.add_node_selector(task, label_key=GPU_POOL_LABEL, label_value=GPU_POOL_VALUE)
-    kubernetes.add_toleration(task, key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
+    kubernetes.add_toleration(task, **GPU_TOLERATION)
+    return _common(task)
+
+
+def train_task(task):
+    """A training step (SFT, CFT, OPD, RL): a small pod that submits the stage as a Kubeflow Trainer TrainJob and
+    waits for it (components/_lib/trainjob.py). The GPUs, GPU pool and tolerations are the TrainJob's; the
+    shared workspace volume carries inputs, checkpoints and outputs between this pod and the job's pods. A retry
+    re-attaches to the job (or resumes it from its checkpoints)."""
+    task.set_cpu_request("1").set_memory_request("4G")
+    task.set_retry(2, backoff_duration="60s", backoff_factor=2, backoff_max_duration="1800s")
+    kubernetes.mount_pvc(task, pvc_name=TRAIN_PVC, mount_path=TRAIN_MOUNT)
     return _common(task)

@@ -62,7 +62,9 @@ def _smoke_markdown(s: dict) -> str:
     return (
         f"\n## Local serving check\n\nModel `{Path(s['model_uri']).parent.parent.name}` {verdict}, behind the Feast "
         f"transformer on {s['url']}: {s['ok']}/{s['requests']} v1 requests answered 200 ({s['valid']} valid "
-        f"outputs, {s['with_history']} with history read from the online store, p50 {s['p50_ms']} ms); v2 "
+        f"outputs, {s['with_history']} with history read from the online store, p50 {s['p50_ms']} ms); "
+        f"{s.get('reordered')}/{s['ok']} rankings differ from the input order, and {s.get('same_top1_reversed')} "
+        f"keep their top-1 when the candidates are sent reversed; v2 "
         f"{s['v2_status']}; malformed JSON {s['malformed_status']}, next request {s['status_after_malformed']}.\n"
     )
 

@@ -1,8 +1,9 @@
 """Decode speed of a finished run's AR teacher and diffusion models on any torch device (e.g. a GPU).
 
 `make bench` measures speed on the CPU it trains on. This re-measures the same speed rows for the run's
-bundles on another device, with the same code (`gr2.stages.evaluate.measure_speed`): the run's first test lists,
-AR for the `ar` teacher, every tau of the profile for each diffusion bundle, at batch 1 and the serving batch.
+bundles on another device, with the same code (`gr2.stages.evaluate.speed_table`): the run's first test lists,
+AR for the `ar` teacher, every tau of the profile for each diffusion bundle, and `spec` (--spec drafting at the
+profile's eval_tau, `ar` verifying), at batch 1 and the serving batch.
 
     python -m pipelines.speed_check --run runs/latest --device cuda --out benchmarks/speed_cuda
 
@@ -42,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", default="runs/latest", help="a run directory (make run / make bench)")
     ap.add_argument("--models", default="ar,cft,rl", help="bundle names; 'ar' (the AR baseline) is required")
+    ap.add_argument(
+        "--spec",
+        default="rl",
+        help="the diffusion bundle that drafts the spec rows ('' or absent: no spec rows)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
         "--threads", type=int, default=0, help="torch CPU threads (0: the profile's eval.threads)"
@@ -66,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         for n, m in models.items()
         for t in ([None] if m.block_size == 0 else profile.diffusion.taus)
     ]
+    if args.spec in models:
+        models["spec"] = models[args.spec].with_verifier(models["ar"].model, "spec")
+        plans.append(("spec", "spec", profile.diffusion.eval_tau))
     examples = pd.read_parquet(next(run.glob("kfp/*/candidates/examples")))
     test = examples[examples["split"] == "test"].reset_index(drop=True)
 

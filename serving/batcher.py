@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from gr2.inference import RankRequest, RankResult
+from serving import metrics
 
 log = logging.getLogger(__name__)
 RankFn = Callable[[list[RankRequest], str, float], list[RankResult]]
@@ -97,6 +98,7 @@ class MicroBatcher:
                 groups.setdefault((it.decoder, it.tau), []).append(it)
             for (decoder, tau), items in groups.items():
                 t0 = time.perf_counter()
+                metrics.observe_batch(decoder, [t0 - it.t_enqueue for it in items])
                 try:
                     results = await loop.run_in_executor(
                         self.executor, self.rank, [it.request for it in items], decoder, tau

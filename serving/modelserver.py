@@ -11,6 +11,8 @@ from typing import Any
 
 import uvicorn
 
+from serving import metrics
+
 _original_config_init = uvicorn.Config.__init__
 
 
@@ -25,6 +27,7 @@ def force_bind_host(host: str) -> None:
 
 
 async def _send_error(send: Any, status: int, message: str) -> None:
+    metrics.observe_rejected(status)
     body = json.dumps({"error": message}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})

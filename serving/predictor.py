@@ -27,7 +27,8 @@ import kserve
 from kserve.errors import InvalidInput
 from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
-from gr2.inference import Reranker, load_reranker
+from gr2.inference import DECODERS, Reranker, load_reranker
+from serving import metrics
 from serving.batcher import MicroBatcher
 from serving.schema import (
     BadRequest,
@@ -107,6 +108,13 @@ class RerankPredictor(kserve.Model):
             parse_instance(raw, f"{where}[{i}]", self.reranker, self.cfg, base)
             for i, raw in enumerate(instances)
         ]
+        # The decoders this model can run: e.g. "spec" needs a model that carries its verifier.
+        can = getattr(self.reranker, "decoders", DECODERS)
+        for i, (_, opts, _) in enumerate(parsed):
+            if opts.decoder not in can:
+                raise BadRequest(
+                    f"{where}[{i}].decoder: {opts.decoder!r} is not available for this model ({list(can)})"
+                )
         timed = await asyncio.gather(*(self.batcher.submit(req, o.decoder, o.tau) for req, o, _ in parsed))
         total = (time.perf_counter() - t0) * 1000
         return [
@@ -129,6 +137,7 @@ class RerankPredictor(kserve.Model):
         # our own parser validates (and names fields consistently for v1 and v2); skip kserve's shallow check
         return payload
 
+    @metrics.instrument_predict  # requests by status and decoder, latency, validity, tokens per forward
     async def predict(
         self, payload: dict | InferRequest | bytes, headers: dict[str, str] | None = None
     ) -> dict | InferResponse:

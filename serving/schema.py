@@ -2,6 +2,7 @@
 
 An instance: {"user_id": str, "candidates": [str, ...], "history"?: [str, ...], "decoder"?: "diffusion"|"ar",
 "tau"?: float, "trace"?: bool}. Request-level defaults for decoder/tau/trace go in "parameters".
+"decoder" may also be "spec" (lossless speculative decoding) for a model that carries its verifier.
 Every problem raises `BadRequest` with a message that starts with the offending field's path
 (`instances[2].candidates[4]: unknown item id 'x'`), which the server turns into a 400.
 """
@@ -194,7 +195,7 @@ def format_result(
         "n_tokens": res.n_tokens,
         "model": model,
         "decoder": opts.decoder,
-        "tau": opts.tau if opts.decoder == "diffusion" else None,
+        "tau": None if opts.decoder == "ar" else opts.tau,  # spec: the draft's tau
         "timing_ms": timing,
         **extra,
     }

@@ -3,7 +3,8 @@
     python -m serving.smoke_local --model_uri <bundle> --feast_repo <feature_store dir> --examples <parquet>
 
 Starts `serving.serve_local` (the Feast transformer in front of the predictor, both on loopback ports), sends
-test users' candidate lists over v1 and v2 with only `user_id` + `candidates` (the transformer reads each
+test users' candidate lists over v1 (as retrieved, then reversed: does the ranking follow the model or the
+input order?) and v2 with only `user_id` + `candidates` (the transformer reads each
 user's history from the run's online store), one malformed request that must get a 4xx, and a good request
 after it (the server stayed up). Returns a summary that run_local writes into the run's report.
 """
@@ -61,6 +62,11 @@ def smoke(
                 codes.append(r.status_code)
                 if r.status_code == 200:
                     preds.append(r.json()["predictions"][0])
+            # The same lists with their candidates reversed: a model that ranks by evidence keeps its top-1;
+            # one that copies the input order does not.
+            flipped = [{**i, "candidates": i["candidates"][::-1]} for i in insts]
+            r = http.post(f"{url}/v1/models/{MODEL_NAME}:predict", json={"instances": flipped})
+            flipped_preds = r.json()["predictions"] if r.status_code == 200 else []
             r2 = http.post(f"{url}/v2/models/{MODEL_NAME}/infer", json=_v2_body(insts[:2]))
             bad = http.post(
                 f"{url}/v1/models/{MODEL_NAME}:predict",
@@ -76,6 +82,11 @@ def smoke(
             "ok": sum(c == 200 for c in codes),
             "valid": sum(bool(p.get("valid")) for p in preds),
             "with_history": sum(int(p.get("history_len") or 0) > 0 for p in preds),
+            "reordered": sum(p["ranking"] != i["candidates"] for p, i in zip(preds, insts, strict=False)),
+            "same_top1_reversed": sum(
+                a["ranking"][:1] == b["ranking"][:1] for a, b in zip(preds, flipped_preds, strict=False)
+            ),
+            "reversed_status": r.status_code,
             "p50_ms": round(lat[len(lat) // 2], 1) if lat else None,
             "v2_status": r2.status_code,
             "malformed_status": bad.status_code,

@@ -11,11 +11,14 @@ speedup would be if a block forward cost what an AR step costs), so the per-forw
 
 from __future__ import annotations
 
+import gc
 import logging
+import math
 import statistics
 from pathlib import Path
 
 import pandas as pd
+import scipy.stats
 import torch
 
 from gr2.config import EvalConfig, Profile
@@ -73,24 +76,14 @@ def decode_rows(
     return row
 
 
-def measure_speed(
-    model: GenerativeReranker, prompts: list[list[int]], decoder: str, tau: float | None, batch: int
-) -> dict:
-    """tokens/s, nfe per sequence and tokens per forward for decoding `prompts` at `batch`."""
-    out = model.decode(prompts, decoder, tau or 1.0, batch)
-    tokens = sum(len(r) for r in out.responses)
-    n_batches = -(-len(prompts) // batch)
-    return {
-        "model": model.name,
-        "tau": tau,
-        "batch": batch,
-        "tokens_per_s": tokens / max(out.seconds, 1e-9),
-        # nfe counts forwards per batch call; per sequence it is the mean over batch calls.
-        "nfe_per_seq": out.nfe / n_batches,
-        "tokens_per_forward": (tokens / len(prompts)) / max(out.nfe / n_batches, 1e-9),
-        "n_sequences": len(prompts),
-        "seconds": out.seconds,
-    }
+def _geometric_ci(logs: list[float]) -> tuple[float, list[float] | None]:
+    """exp(mean) of log ratios and its 95% interval (Student t over the repeats; None with one repeat)."""
+    n = len(logs)
+    m = statistics.fmean(logs)
+    if n < 2:
+        return math.exp(m), None
+    h = float(scipy.stats.t.ppf(0.975, n - 1)) * statistics.stdev(logs) / math.sqrt(n)
+    return math.exp(m), [math.exp(m - h), math.exp(m + h)]
 
 
 def speed_table(
@@ -103,32 +96,63 @@ def speed_table(
     """Speed side by side: same prompts (the first test lists), same threads, batch 1 and the serving batch.
 
     `plans` are (model name, decoder, tau); the one named "ar" is the baseline of `speedup_vs_ar` and
-    `ideal_speedup` (tokens per forward). The plans run `ev.speed_repeats` times, interleaved; each row keeps
-    the median tokens/s and the median of its per-repeat ratio to AR. warmup: decode a few lists per plan
-    first, untimed (a GPU's kernels and allocator; on the CPU the models have already decoded the whole test
+    `ideal_speedup` (tokens per forward: what the speedup would be if every forward cost an AR step). A repeat
+    decodes the lists one decode call (`batch` lists) at a time, every plan on a chunk before the next chunk, so
+    all plans are timed over the same stretch of time and a slow moment (another process, a frequency change)
+    hits them alike; the garbage collector is off while timing. A plan's speedup in a repeat is its tokens/s over
+    AR's in that repeat; its row reports the geometric mean over the `ev.speed_repeats` repeats with a 95%
+    interval (`speedup_ci95`, Student t on the log ratios: what the gate reads), the median tokens/s, and nfe
+    and tokens per forward (the same every repeat: greedy decoding). warmup: decode the first chunk with every
+    plan first, untimed (a GPU's kernels and allocator; on the CPU the models have already decoded the whole test
     split)."""
     speed: list[dict] = []
-    base_i = next(i for i, p in enumerate(plans) if p[0] == "ar")
+    base = next(i for i, p in enumerate(plans) if p[0] == "ar")
+    repeats = max(ev.speed_repeats, 1)
     for batch, n_ex in ((1, ev.speed_examples), (ev.speed_batch, ev.speed_batch_examples)):
         sub = test.head(n_ex)
         prompts = models["ar"].encode_prompts(sub["history"].tolist(), sub["candidates"].tolist())
+        chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
         if warmup:
             for name, decoder, tau in plans:
-                models[name].decode(prompts[: max(batch, 2)], decoder, tau or 1.0, batch)
-        reps = [
-            [measure_speed(models[name], prompts, decoder, tau, batch) for name, decoder, tau in plans]
-            for _ in range(max(ev.speed_repeats, 1))
-        ]
-        for i in range(len(plans)):
-            runs = [rep[i] for rep in reps]
-            # Each ratio pairs a plan with the AR pass of the same repeat (seconds apart); then the median.
-            row = {**runs[0], "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs)}
-            row["speedup_vs_ar"] = statistics.median(
-                r["tokens_per_s"] / rep[base_i]["tokens_per_s"] for r, rep in zip(runs, reps, strict=True)
+                models[name].decode(chunks[0], decoder, tau or 1.0, batch)
+        seconds = [[0.0] * len(plans) for _ in range(repeats)]
+        tokens, nfe, verify = [0] * len(plans), [0] * len(plans), [0] * len(plans)
+        gc.collect()
+        gc.disable()
+        try:
+            for r in range(repeats):
+                for chunk in chunks:
+                    for i, (name, decoder, tau) in enumerate(plans):
+                        out = models[name].decode(chunk, decoder, tau or 1.0, batch)
+                        seconds[r][i] += out.seconds
+                        if r == 0:
+                            tokens[i] += sum(len(x) for x in out.responses)
+                            nfe[i], verify[i] = nfe[i] + out.nfe, verify[i] + out.verifier_nfe
+        finally:
+            gc.enable()
+        for i, (name, _, tau) in enumerate(plans):
+            tps = [tokens[i] / max(sec[i], 1e-9) for sec in seconds]
+            base_tps = [tokens[base] / max(sec[base], 1e-9) for sec in seconds]
+            speedup, ci = _geometric_ci([math.log(a / b) for a, b in zip(tps, base_tps, strict=True)])
+            nfe_seq = nfe[i] / len(chunks)  # nfe counts forwards per decode call (a batch)
+            row = {
+                "model": name,
+                "tau": tau,
+                "batch": batch,
+                "tokens_per_s": statistics.median(tps),
+                "nfe_per_seq": nfe_seq,
+                "tokens_per_forward": tokens[i] / len(prompts) / max(nfe_seq, 1e-9),
+                "n_sequences": len(prompts),
+                "seconds": sum(sec[i] for sec in seconds),
+                "repeats": repeats,
+                "speedup_vs_ar": speedup,
+                "speedup_ci95": ci,
+            }
+            row["ideal_speedup"] = row["tokens_per_forward"] / (
+                tokens[base] / len(prompts) / (nfe[base] / len(chunks))
             )
-            row["ideal_speedup"] = row["tokens_per_forward"] / reps[0][base_i]["tokens_per_forward"]
-            row["seconds"] = sum(r["seconds"] for r in runs)
-            row["repeats"] = len(runs)
+            if verify[i]:  # spec: tokens kept per verifier forward (prefill included), the acceptance length
+                row["tokens_per_verify"] = tokens[i] / len(prompts) / (verify[i] / len(chunks))
             speed.append(row)
     return speed
 
@@ -136,10 +160,12 @@ def speed_table(
 def evaluate_generative(
     bundles: dict[str, str | Path], test: pd.DataFrame, profile: Profile
 ) -> tuple[list[dict], list[dict]]:
-    """Rows for every bundle (AR models decoded AR; diffusion models at each tau, naive and opd at eval_tau)
-    and the speed list.
+    """Rows for every bundle (AR models decoded AR; diffusion models at each tau, naive and opd at eval_tau),
+    a `spec` row, and the speed list.
 
-    `bundles` maps a row name to a bundle; the AR teacher must be under "ar" (the speed baseline)."""
+    `bundles` maps a row name to a bundle; the AR teacher must be under "ar" (the speed baseline). `spec` is
+    speculative decoding at eval_tau: the final student (rl, else opd, else cft) drafts, "ar" verifies, so its
+    tokens are ar's (gr2/decode.py spec_generate) and its accuracy row equals ar's."""
     if "ar" not in bundles:
         raise ValueError("evaluate_generative needs the AR teacher under the name 'ar' (the speed baseline)")
     torch.set_num_threads(profile.eval.threads)
@@ -156,11 +182,15 @@ def evaluate_generative(
             plans.append((name, "diffusion", dc.eval_tau))
         else:  # cft and the final student: the whole tau sweep
             plans += [(name, "diffusion", t) for t in dc.taus]
+    student = next((n for n in ("rl", "opd", "cft") if n in models), None)
+    if student is not None:
+        models["spec"] = models[student].with_verifier(models["ar"].model, name="spec")
+        plans.append(("spec", "spec", dc.eval_tau))
     for name, decoder, tau in plans:
         log.info("evaluate %s (%s, tau=%s) on %d test lists", name, decoder, tau, len(test))
         rows.append(decode_rows(models[name], test, decoder, tau, profile))
 
-    speed_plans = [p for p in plans if p[0] == "ar" or (p[1] == "diffusion" and p[0] != "naive")]
+    speed_plans = [p for p in plans if p[0] != "naive" and (p[0] == "ar" or p[1] != "ar")]
     speed = speed_table(models, speed_plans, test, ev)
     # Each row's own speed figures are its batch-1 ones.
     b1 = {(s["model"], s["tau"]): s for s in speed if s["batch"] == 1}
@@ -168,6 +198,9 @@ def evaluate_generative(
         s = b1.get((row["model"], row["tau"]))
         if s is not None:
             row.update(
-                nfe_per_seq=s["nfe_per_seq"], tokens_per_s=s["tokens_per_s"], speedup_vs_ar=s["speedup_vs_ar"]
+                nfe_per_seq=s["nfe_per_seq"],
+                tokens_per_s=s["tokens_per_s"],
+                speedup_vs_ar=s["speedup_vs_ar"],
+                speedup_ci95=s["speedup_ci95"],
             )
     return rows, speed

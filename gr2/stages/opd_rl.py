@@ -27,12 +27,14 @@ import pandas as pd
 import torch
 
 from gr2.config import Profile, TrainConfig
-from gr2.generative import GenerativeReranker, load_bundle_parts, save_bundle
+from gr2.generative import GenerativeReranker, load_bundle_parts, load_verifier
+from gr2.model import add_lora
 from gr2.opd import kl_per_token, make_opd_batch, opd_loss, sequence_mean
 from gr2.reward import response_reward
 from gr2.rl import RolloutBatch, group_advantages, grpo_loss, policy_logits, rollout_batch, sample
 from gr2.stages.prepare import SFTData
-from gr2.train import LOG_FILE, TrainResult, latest_checkpoint, train, truncate_log
+from gr2.stages.train_stages import write_bundle
+from gr2.train import LOG_FILE, TrainResult, latest_checkpoint, process_state, train, truncate_log
 
 log = logging.getLogger(__name__)
 ROLLOUT_LOG = "rollout_log.jsonl"
@@ -140,6 +142,9 @@ class OPDBatches:
 
     def __call__(self, step: int) -> RolloutBatch:
         oc = self.oc
+        device = next(self.student.parameters()).device
+        if next(self.teacher.parameters()).device != device:  # train() placed the student (e.g. on a GPU)
+            self.teacher.to(device)
         idx = prompts_for_step(len(self.prompts), oc.prompts_per_step, step, self.seed)
         t0 = time.perf_counter()
         batch = make_opd_batch(
@@ -168,10 +173,12 @@ class LoggedLoss:
         self.fn, self.path = fn, path
 
     def __call__(self, model, batch: RolloutBatch, rng) -> torch.Tensor:
-        loss, stats = self.fn(getattr(model, "module", model), batch)
-        row = {"step": batch.step, "loss": float(loss.detach()), **batch.stats, **stats}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        loss, stats = self.fn(model, batch)
+        # Rank 0 logs its own rollouts; "step" is the micro-batch index (gr2/train.py).
+        if process_state().is_main_process:
+            row = {"step": batch.step, "loss": float(loss.detach()), **batch.stats, **stats}
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
         return loss
 
 
@@ -187,17 +194,24 @@ def _train_cfg(c, seed: int) -> TrainConfig:
         checkpoint_every=c.checkpoint_every,
         log_every=c.log_every,
         seed=seed,
+        grad_accum=c.grad_accum,
+        bf16=c.bf16,
     )
 
 
 def _run(model, batches_fn, fn, cfg: TrainConfig, out: Path) -> TrainResult:
     """The shared loop, plus the rollout log truncated to the resumed step (as train.py does its own log)."""
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt = latest_checkpoint(out)
-    start = int(ckpt.name.split("_")[1]) if ckpt is not None else 0
-    truncate_log(out / ROLLOUT_LOG, start)
+    state = process_state()
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        ckpt = latest_checkpoint(out)
+        start = int(ckpt.name.split("_")[1]) if ckpt is not None else 0
+        # rows are keyed by micro-batch index: G = world size * grad_accum of them per step
+        truncate_log(out / ROLLOUT_LOG, start * state.num_processes * cfg.grad_accum)
+    state.wait_for_everyone()
     res = train(model, batches_fn, LoggedLoss(fn, out / ROLLOUT_LOG), cfg, out)
-    plot_curves(out)
+    if state.is_main_process:
+        plot_curves(out)
     return res
 
 
@@ -269,6 +283,7 @@ def train_opd(
     if len(data.tokenizer) != len(tok):
         raise ValueError("the SFT data and the student bundle have different vocabularies")
     teacher.requires_grad_(False)
+    student = add_lora(student, profile.model)
     rr = GenerativeReranker(student, tok, sids, ev, cfg)
     prompts, _, _ = train_prompts(rr, examples, oc.max_prompts, profile.seed)
     batches = OPDBatches(student, teacher, prompts, tok, oc, bs, rr.max_new_tokens, profile.seed)
@@ -284,7 +299,8 @@ def train_opd(
         "train": _summary(res, out / "train"),
     }
     log.info("train_opd (%s): %s", direction, meta["train"])
-    return save_bundle(out / "bundle", student, tok, sids, ev, meta)
+    # The teacher travels with the student: the "spec" decoder's verifier (serving needs both).
+    return write_bundle(out / "bundle", student, tok, sids, ev, meta, verifier=teacher)
 
 
 def train_rl(
@@ -296,6 +312,7 @@ def train_rl(
     model, tok, sids, ev, cfg = load_bundle_parts(bundle)
     bs = int(model.config.gr2_block_size or 0)
     rc = profile.rl if bs > 0 else profile.ar_rl
+    model = add_lora(model, profile.model)
     if len(data.tokenizer) != len(tok):
         raise ValueError("the SFT data and the bundle have different vocabularies")
     rr = GenerativeReranker(model, tok, sids, ev, cfg)
@@ -312,6 +329,8 @@ def train_rl(
         temperature=rc.temperature,
         clip_eps=rc.clip_eps,
         clip_eps_high=rc.clip_eps_high,
+        certainty_weight=rc.certainty_weight,
+        eos_id=tok.eos_token_id,
     )
     res = _run(model, batches, lambda m, b: fn(m, b), _train_cfg(rc, profile.seed), out / "train")
     meta = {
@@ -323,7 +342,7 @@ def train_rl(
         "train": _summary(res, out / "train"),
     }
     log.info("train_rl (block_size %d): %s", bs, meta["train"])
-    return save_bundle(out / "bundle", model, tok, sids, ev, meta)
+    return write_bundle(out / "bundle", model, tok, sids, ev, meta, verifier=load_verifier(bundle))
 
 
 # ---------------------------------------------------------------------------------------------- measures

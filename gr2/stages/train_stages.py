@@ -18,10 +18,10 @@ from tqdm import tqdm
 from gr2.config import Profile, TrainConfig
 from gr2.generative import GenerativeReranker, load_bundle_parts, save_bundle
 from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
-from gr2.model import build_model, convert_to_diffusion, n_params
+from gr2.model import add_lora, build_backbone, convert_to_diffusion, n_params
 from gr2.stages.prepare import SFTData
 from gr2.teacher import SFTRecord
-from gr2.train import BucketedBatches, LossFn, TrainResult, train
+from gr2.train import BucketedBatches, LossFn, TrainResult, process_state, train
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,23 @@ def _fit(
 ) -> TrainResult:
     batches = BucketedBatches(records, cfg.batch_size, collate_fn, seed=cfg.seed)
     return train(model, batches, loss_fn, cfg, out)
+
+
+def write_bundle(
+    out_dir: str | Path,
+    model: torch.nn.Module,
+    tok,
+    sids,
+    ev,
+    meta: dict,
+    verifier: torch.nn.Module | None = None,
+) -> Path:
+    """save_bundle on rank 0 only: a stage may run in N processes (gr2/train.py); every rank waits for it."""
+    state = process_state()
+    if state.is_main_process:
+        save_bundle(out_dir, model, tok, sids, ev, meta, verifier=verifier)
+    state.wait_for_everyone()
+    return Path(out_dir)
 
 
 def _summary(res: TrainResult, model: torch.nn.Module, n_records: int) -> dict:
@@ -59,15 +76,7 @@ def train_ar_teacher(data: SFTData, profile: Profile, out_dir: str | Path, varia
     records = data.records[variant]
     tok = data.tokenizer
     torch.manual_seed(profile.seed)
-    model = build_model(
-        profile.model,
-        len(tok),
-        tok.pad_token_id,
-        tok.eos_token_id,
-        tok.bos_token_id,
-        tok.mask_token_id,
-        profile.seed,
-    )
+    model = build_backbone(profile.model, tok, profile.seed)  # fresh, or pretrained (+ LoRA): gr2/model.py
     res = _fit(
         model, records, partial(collate, pad_id=tok.pad_token_id), ar_batch_loss, profile.sft, out / "train"
     )
@@ -82,7 +91,7 @@ def train_ar_teacher(data: SFTData, profile: Profile, out_dir: str | Path, varia
         "profile": profile.name,
     }
     log.info("train_ar_teacher %s: %s", variant, meta["train"])
-    return save_bundle(out / "bundle", model, tok, data.sids, data.evidence, meta)
+    return write_bundle(out / "bundle", model, tok, data.sids, data.evidence, meta)
 
 
 def convert(ar_bundle: str | Path, block_size: int, out_dir: str | Path, name: str = "naive") -> Path:
@@ -91,7 +100,7 @@ def convert(ar_bundle: str | Path, block_size: int, out_dir: str | Path, name: s
     student = convert_to_diffusion(model, block_size, tok.mask_token_id)
     meta = {**cfg, "name": name, "stage": "convert", "parent": str(ar_bundle)}
     meta["max_new_tokens"] = -(-cfg["max_new_tokens"] // block_size) * block_size + block_size
-    return save_bundle(out_dir, student, tok, sids, ev, meta)
+    return write_bundle(out_dir, student, tok, sids, ev, meta)
 
 
 TEACHER_TARGETS = "teacher_targets.pt"
@@ -142,9 +151,10 @@ def teacher_records(
         "same_as_sft_frac": n_same / max(len(out), 1),
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    if cache is not None:
+    if cache is not None:  # written then renamed: a reader never sees half a file
         cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"records": [tuple(r) for r in out], "stats": stats}, cache)
+        torch.save({"records": [tuple(r) for r in out], "stats": stats}, cache.with_suffix(".tmp"))
+        cache.with_suffix(".tmp").rename(cache)
     return out, stats
 
 
@@ -164,7 +174,10 @@ def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir
         raise ValueError(f"bundle block_size {bs} != profile diffusion.block_size {dc.block_size}")
     if dc.cft_targets == "teacher":
         teacher = GenerativeReranker(model, tok, sids, ev, cfg)
-        records, targets = teacher_records(teacher, data.records["trace"], profile, out / TEACHER_TARGETS)
+        with (
+            process_state().main_process_first()
+        ):  # rank 0 decodes and caches; the other ranks read the cache
+            records, targets = teacher_records(teacher, data.records["trace"], profile, out / TEACHER_TARGETS)
         log.info("cft targets: %s", targets)
     elif dc.cft_targets == "sft":
         records, targets = data.records["trace"], {"targets": "sft", "n_records": len(data.records["trace"])}
@@ -186,6 +199,7 @@ def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir
         weighting=dc.loss_weighting,
         certainty_weight=dc.certainty_weight,
     )
+    model = add_lora(model, profile.model)  # after the teacher targets: they are the unchanged model's
     res = _fit(model, records, collate_fn, loss_fn, profile.cft, out / "train")
     meta = {
         **cfg,
@@ -200,7 +214,7 @@ def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir
         "cft_targets": targets,
     }
     log.info("train_cft: %s", meta["train"])
-    return save_bundle(out / "bundle", model, tok, sids, ev, meta)
+    return write_bundle(out / "bundle", model, tok, sids, ev, meta)
 
 
 def _cft_loss(model, batch, rng, **kw) -> torch.Tensor:

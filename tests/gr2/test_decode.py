@@ -1,4 +1,5 @@
-"""Decoders: KV cache == no cache, block_size 1 diffusion == AR, the commit rule, exact nfe, trajectories."""
+"""Decoders: KV cache == no cache, block_size 1 diffusion == AR, spec == AR, the commit rule, exact nfe,
+trajectories."""
 
 import functools
 
@@ -7,7 +8,7 @@ import torch
 
 import gr2.decode as dec
 from gr2.config import TrainConfig
-from gr2.decode import ar_generate, diffusion_generate, select_commits
+from gr2.decode import ar_generate, diffusion_generate, select_commits, spec_generate
 from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
 from gr2.model import convert_to_diffusion
 from gr2.train import BucketedBatches, train
@@ -205,3 +206,37 @@ def test_pluggable_rules_fill_logprobs_and_reject_misuse(models):
         ar_generate(ar, ps, 12, EOS, pick=argmax_pick, logprobs=torch.zeros(3, 5))  # wrong shape
     with pytest.raises(ValueError):
         diffusion_generate(diff, ps, 12, BS, 0.9, MASK, EOS, logprobs=torch.zeros(3, 12))
+
+
+@pytest.mark.parametrize(
+    "bs,tau,eos", [(4, 0.9, EOS), (4, 0.0, EOS), (3, 0.5, EOS), (1, 0.9, EOS), (4, 0.9, None)]
+)
+def test_spec_equals_ar(models, bs, tau, eos):
+    """Lossless: speculative decoding returns the verifier's AR greedy tokens, whatever the block size and tau."""
+    ar, diff = models
+    want, _ = ar_generate(ar, prompts(8), 15, eos)
+    got, _, _ = spec_generate(diff, ar, prompts(8), 15, bs, tau, MASK, eos)
+    assert torch.equal(got, want)
+
+
+def test_spec_is_lossless_with_a_useless_draft_and_a_good_draft_saves_verifications(models):
+    """An untrained draft is wrong almost everywhere: every block is mostly corrections, the output is still AR's.
+    The CFT'd student drafts more of what the AR model writes: fewer verifier forwards for the same tokens."""
+    ar, diff = models
+    noise = convert_to_diffusion(toy_model(seed=7), BS, MASK)
+    want, n_ar = ar_generate(ar, prompts(8), 15, EOS)
+    got, _, n_noise = spec_generate(noise, ar, prompts(8), 15, BS, 0.9, MASK, EOS)
+    assert torch.equal(got, want)
+    assert n_noise > n_ar / 2  # little accepted: about one token per verification
+    _, _, n_good = spec_generate(diff, ar, prompts(8), 15, BS, 0.9, MASK, EOS)
+    assert n_good < n_noise
+
+
+def test_spec_counts_forwards(models):
+    ar, diff = models
+    d_calls, hd = count_forwards(diff)
+    v_calls, hv = count_forwards(ar)
+    _, nfe, n_verify = spec_generate(diff, ar, prompts(8), 15, BS, 0.9, MASK, EOS)
+    hd.remove()
+    hv.remove()
+    assert nfe == len(d_calls) + len(v_calls) and n_verify == len(v_calls)

@@ -111,6 +111,14 @@ def test_speedup_only_when_reported():
     assert d.passed and d.checks["speedup"] is None
 
 
+def test_speedup_reads_the_lower_bound_of_its_interval():
+    """A 2.6x point estimate whose timing interval reaches below 2.4x does not pass; a tight one does."""
+    d = decide(rows(speedup_vs_ar=2.6, speedup_ci95=[2.3, 2.9]), "diffusion", True, None, CFG)
+    assert not d.passed and d.checks["speedup"] is False and "lower bound 2.30x" in d.reasons[5]
+    d = decide(rows(speedup_vs_ar=2.6, speedup_ci95=[2.5, 2.7]), "diffusion", True, None, CFG)
+    assert d.passed and d.checks["speedup"] is True
+
+
 @pytest.mark.parametrize("prod,ok", [(0.404, True), (0.406, False), (None, None)])
 def test_not_worse_than_production(prod, ok):
     record = None if prod is None else {"model": "diffusion", "recall@1": prod}

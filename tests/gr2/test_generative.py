@@ -237,3 +237,36 @@ def test_evaluate_rows_and_speed(pipeline):
         if s["model"] == "ar":
             assert s["speedup_vs_ar"] == 1.0 and s["tokens_per_forward"] == pytest.approx(1.0, abs=0.02)
     assert rows[0]["speedup_vs_ar"] == 1.0 and rows[2]["nfe_per_seq"] == speed[1]["nfe_per_seq"]
+
+
+def test_sft_step_in_two_processes_through_torchrun(pipeline, tmp_path):
+    """The SFT step itself (components/_lib/model_steps.train_ar) run by run_step in 2 gloo processes: one bundle
+    (written by rank 0), a log of global steps, a checkpoint with both ranks' RNG state."""
+    import dataclasses
+
+    import yaml
+
+    from components._lib import trainjob
+
+    prof = dataclasses.replace(
+        pipeline["prof"],
+        sft=dataclasses.replace(pipeline["prof"].sft, max_steps=3, checkpoint_every=3, batch_size=8),
+    )
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(json.loads(json.dumps(prof.to_dict()))))
+    out = tmp_path / "ar2"
+    info = trainjob.run_step(
+        "train_ar",
+        {"sft_dir": str(pipeline["root"] / "sft")},
+        {"out_dir": str(out)},
+        {"profile": str(path)},
+        1,
+        2,
+    )
+    assert info["steps"] == 3 and info["final_loss"] is not None
+    assert isinstance(load_reranker(out / "bundle"), GenerativeReranker)
+    rows = [json.loads(x) for x in (out / "train" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # one line per global step, not one per rank
+    ckpt = out / "train" / "checkpoints" / "step_0000003"
+    assert json.loads((ckpt / "trainer_state.json").read_text())["world_size"] == 2
+    assert (ckpt / "random_states_1.pkl").exists()

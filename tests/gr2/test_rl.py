@@ -12,6 +12,7 @@ from gr2.rl import (
     grpo_loss,
     policy_logits,
     rollout_batch,
+    rollout_certainty,
     sample_ar,
     sample_diffusion,
     token_logprobs,
@@ -179,3 +180,32 @@ def test_all_groups_dropped_gives_zero_gradient():
     loss.backward()
     assert loss.item() == 0.0
     assert all(p.grad is None or not p.grad.any() for p in diff.parameters())
+
+
+def test_certainty_forcing_through_rl():
+    """grpo_loss + certainty_weight * rollout_certainty (seeded by the step: the same noise twice), which has a
+    gradient even when every group was dropped, and whose descent sharpens the student on its own rollouts."""
+    diff = convert_to_diffusion(peaky_model(3.0), BS, MASK)
+    ro = sample_diffusion(
+        diff, prompts(4), 15, BS, 0.5, MASK, EOS, generator=torch.Generator().manual_seed(0)
+    )
+    batch = rollout_batch(ro, EOS)  # advantages zero: the surrogate contributes nothing
+    batch.step = 3
+
+    def term():
+        return rollout_certainty(diff, batch, BS, MASK, EOS, torch.Generator().manual_seed(3))
+
+    loss, stats = grpo_loss(diff, batch, BS, MASK, 1.0, certainty_weight=0.5, eos_id=EOS)
+    before = term()
+    assert before.item() > 0 and loss.item() == pytest.approx(0.5 * before.item(), rel=1e-5)
+    assert stats["certainty_entropy"] == pytest.approx(before.item(), rel=1e-5)
+    opt = torch.optim.SGD(diff.parameters(), lr=0.5)
+    for _ in range(3):
+        loss, _ = grpo_loss(diff, batch, BS, MASK, 1.0, certainty_weight=1.0, eos_id=EOS)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        assert term().item() < before.item()
+    with pytest.raises(ValueError, match="certainty forcing needs"):
+        grpo_loss(diff, batch, 0, None, 1.0, certainty_weight=0.5, eos_id=EOS)

@@ -46,6 +46,9 @@ ROLE_IMPORTS = {
         "components.candidates",
         "components.gate",
         "components.deploy",
+        "components.canary_analysis",
+        "serving.rollout",
+        "serving.canary",
         "components.artifact_store",
         "pipelines.pipeline",
         "gr2.gate",
@@ -129,7 +132,10 @@ class Image:
         self.workdir = workdirs[0]
         self.args = dict(a.split("=", 1) for op, rest in ins if op == "ARG" for a in [rest] if "=" in a)
         self.env = dict(kv.split("=", 1) for op, rest in ins if op == "ENV" for kv in shlex.split(rest))
-        self.copies = [shlex.split(rest) for op, rest in ins if op == "COPY"]
+        # COPY --from copies out of another image (kubectl in the data image), not from the build context
+        self.copies = [
+            shlex.split(rest) for op, rest in ins if op == "COPY" and not rest.startswith("--from=")
+        ]
         self.runs = [rest for op, rest in ins if op == "RUN" and "pip install" in rest]
         assert self.runs, f"{name}: no RUN with `pip install`"
 

@@ -63,9 +63,11 @@ def test_dockerfile_basics(name):
         "USER must come after the last RUN"
     )
     for op, rest in ins:
-        if op == "COPY":
+        if op == "COPY" and not rest.startswith("--from="):  # --from copies out of another image
             src = rest.split()[0]
             assert (ROOT / src).exists(), f"{name}: COPY {src} does not exist"
+        if op == "COPY" and rest.startswith("--from="):  # that image pinned: a version tag or a digest
+            assert re.search(r"^--from=\S+(:v?\d+\.\d+\.\d+|@sha256:[0-9a-f]{64}) ", rest), rest
 
 
 @pytest.mark.parametrize("name", IMAGES.values())

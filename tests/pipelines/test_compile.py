@@ -1,5 +1,6 @@
 """The compiled DAG (both YAML documents): every step and its image, GPU settings on every training and
-evaluation step, deploy under the gate's condition, the exit handler, caching keyed on snapshot_date."""
+evaluation step, deploy under the gate's condition, the canary analysis under deploy's outcome, the exit
+handler, caching keyed on snapshot_date."""
 
 from __future__ import annotations
 
@@ -8,17 +9,19 @@ import yaml
 
 from components._image import BASE_IMAGE, TRAIN_IMAGE
 from pipelines.pipeline import PIPELINE_NAME, compile_pipeline
-from pipelines.resources import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TYPE, S3_SECRET
+from pipelines.resources import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TYPE, S3_SECRET, TRAIN_MOUNT, TRAIN_PVC
 
-GPU_STEPS = [
+# Training steps submit Kubeflow Trainer TrainJobs (the GPUs are the job's: tests/components/test_trainjob.py);
+# the decoding step runs on the GPU pool itself.
+TRAIN_STEPS = [
     "train-ar-teacher",
     "rl-ar-teacher",
     "train-ar-no-trace",
     "convert-cft",
     "distill-on-policy",
     "rl-diffusion",
-    "evaluate-models",
 ]
+GPU_STEPS = ["evaluate-models"]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,15 @@ def test_dag_steps_images_and_parameters(compiled):
     assert spec["pipelineInfo"]["name"] == PIPELINE_NAME
     names = set(_tasks(spec)) - {"root"}
     expected = {"ingest", "feast-apply", "extract", "validate-targets", "candidates", "validate-examples"}
-    expected |= {"evaluate-floor", "prepare-sft", *GPU_STEPS, "gate", "deploy", "record-outcome"}
+    expected |= {
+        "evaluate-floor",
+        "prepare-sft",
+        *GPU_STEPS,
+        "gate",
+        "deploy",
+        "canary-analysis",
+        "record-outcome",
+    }
     assert expected <= names
     for label, ex in spec["deploymentSpec"]["executors"].items():
         c = ex["container"]
@@ -57,9 +68,16 @@ def test_dag_steps_images_and_parameters(compiled):
             c["command"]
         )  # the image has the project; nothing installed at run
     params = spec["root"]["inputDefinitions"]["parameters"]
-    assert {"dataset", "profile", "snapshot_date", "candidate", "bounds_json", "canary_percent"} <= set(
-        params
-    )
+    assert {
+        "dataset",
+        "profile",
+        "snapshot_date",
+        "candidate",
+        "bounds_json",
+        "canary_percent",
+        "prometheus_url",
+    } <= set(params)
+    assert {"train_nodes", "train_gpus_per_node"} <= set(params)
 
 
 def test_gpu_steps_have_accelerator_node_selector_toleration_retries(compiled):
@@ -81,6 +99,22 @@ def test_gpu_steps_have_accelerator_node_selector_toleration_retries(compiled):
         env = {e["envVar"] for s in plat["secretAsEnv"] for e in s["keyToEnv"]}
         assert {s["secretName"] for s in plat["secretAsEnv"]} == {S3_SECRET}, step
         assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= env, step
+    # Training steps are small launcher pods: no GPU of their own, the shared workspace volume mounted, the
+    # TrainJob's size wired from the pipeline parameters.
+    for step in TRAIN_STEPS:
+        _, task = tasks[step]
+        label = _executor(spec, task)
+        assert "accelerator" not in spec["deploymentSpec"]["executors"][label]["container"].get(
+            "resources", {}
+        )
+        assert "nodeSelector" not in k8s[label], step
+        [mount] = k8s[label]["pvcMount"]
+        assert mount["constant"] == TRAIN_PVC and mount["mountPath"] == TRAIN_MOUNT, step
+        params = task["inputs"]["parameters"]
+        assert params["train_nodes"] == {"componentInputParameter": "pipelinechannel--train_nodes"}, step
+        assert params["gpus_per_node"] == {"componentInputParameter": "pipelinechannel--train_gpus_per_node"}
+        assert task["retryPolicy"]["maxRetryCount"] == 2
+        assert "run_step(" in " ".join(spec["deploymentSpec"]["executors"][label]["container"]["command"])
     # CPU steps stay off the GPU pool.
     for step in ["gate", "deploy", "prepare-sft", "evaluate-floor"]:
         label = _executor(spec, tasks[step][1])
@@ -123,6 +157,27 @@ def test_deploy_sits_under_the_gate_condition(compiled):
     assert "deploy" in spec["components"][parent]["dag"]["tasks"]
     # ... and the gate itself is not conditional on itself: it sits beside the branch
     assert tasks["gate"][0] == tasks["gate-passed"][0]
+
+
+def test_canary_analysis_runs_only_when_the_canary_runs(compiled):
+    spec, _ = compiled
+    tasks = _tasks(spec)
+    parent, task = tasks["canary-analysis"]
+    [(cond_name, cond)] = [
+        (n, t) for n, (_, t) in tasks.items() if t.get("componentRef", {}).get("name") == parent
+    ]
+    assert cond_name == "canary-running"
+    assert (
+        cond["triggerPolicy"]["condition"]
+        == "inputs.parameter_values['pipelinechannel--deploy-Output'] == 'canary'"
+    )
+    assert tasks["canary-running"][0] == tasks["deploy"][0]  # beside deploy, inside the gate's branch
+    assert cond["inputs"]["artifacts"]["pipelinechannel--deploy-plan"]["taskOutputArtifact"] == {
+        "outputArtifactKey": "plan",
+        "producerTask": "deploy",
+    }
+    assert set(task["inputs"]["artifacts"]) == {"plan", "examples"}
+    assert task["cachingOptions"] == {}  # a decision about the live cluster, never a cached one
 
 
 def test_exit_handler_records_the_outcome(compiled):

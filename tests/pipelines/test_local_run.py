@@ -70,6 +70,11 @@ def test_local_run_writes_report(tmp_path):
     s = rep["serving_smoke"]
     assert s["requests"] > 0 and s["ok"] == s["requests"] and s["with_history"] >= 1
     assert s["v2_status"] == 200 and 400 <= s["malformed_status"] < 500 and s["status_after_malformed"] == 200
+    assert (
+        s["reversed_status"] == 200
+        and 0 <= s["same_top1_reversed"] <= s["ok"]
+        and 0 <= s["reordered"] <= s["ok"]
+    )
     assert s["example"]["model"] == "rl" and s["gate_passed"] == rep["gate"]["passed"]
     assert "## Local serving check" in (tmp_path / "smoke" / "report.md").read_text()
     # A model card per evaluated model beside the report, linked from it.

@@ -1,96 +1,31 @@
-"""KserveKube (the real kubernetes-client code path of the rollout) against a fake Kubernetes API server on
-127.0.0.1: a few REST routes with create/get/merge-patch semantics, every request recorded. No real API
-server can run here (no cluster, no kind/minikube), so this is the HTTP-level fake the issue allows."""
+"""KserveKube (the real kubernetes-client code path of the rollout) against the fake Kubernetes API server of
+tests/serving/fake_kube.py: every object server-side applied by field manager gr2, redeploys idempotent, a
+changed ConfigMap updated, promote removing the canary field, and conflicts with another manager reported."""
 
 from __future__ import annotations
 
-import json
-import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from kubernetes import client
 
 from components.artifact_store import ArtifactStore, LocalBackend
-from serving.rollout import KserveKube, rollout
+from serving.rollout import (
+    FIELD_MANAGER,
+    ApplyConflict,
+    KserveKube,
+    Plan,
+    promote,
+    read_manifests,
+    rollout,
+    smoke_test,
+)
+from tests.serving.fake_kube import APPLY, FakeApi
 
-OVERLAY = Path(__file__).resolve().parents[2] / "manifests" / "overlays" / "prod"
-COLLECTION = re.compile(r"^/(?:api/v1|apis/[^/]+/[^/]+)/namespaces/([^/]+)/([^/]+)(?:/([^/]+))?$")
-
-
-def merge_patch(target, patch):
-    """RFC 7386 JSON merge patch (what `application/merge-patch+json` means)."""
-    if not isinstance(patch, dict):
-        return patch
-    out = dict(target) if isinstance(target, dict) else {}
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = merge_patch(out.get(k), v)
-    return out
-
-
-class FakeApi:
-    def __init__(self, latest_url: str):
-        self.objects: dict[tuple[str, str, str], dict] = {}
-        self.requests: list[tuple[str, str, str, dict | None]] = []
-        self.latest_url = latest_url
-        api = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, code, obj):
-                body = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _handle(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(n)) if n else None
-                path = self.path.split("?")[0]
-                api.requests.append((self.command, path, self.headers.get("Content-Type", ""), body))
-                m = COLLECTION.match(path)
-                if not m:
-                    return self._send(404, {"kind": "Status", "code": 404, "message": f"no route {path}"})
-                ns, plural, name = m.groups()
-                key = (ns, plural, name or (body or {}).get("metadata", {}).get("name"))
-                if self.command == "GET":
-                    if key not in api.objects:
-                        return self._send(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
-                    return self._send(200, api.objects[key])
-                if self.command == "POST":
-                    if key in api.objects:
-                        return self._send(409, {"kind": "Status", "code": 409, "reason": "AlreadyExists"})
-                    api.objects[key] = api.with_status(plural, body)
-                    return self._send(201, api.objects[key])
-                if self.command == "PATCH":
-                    assert self.headers["Content-Type"] == "application/merge-patch+json"
-                    api.objects[key] = api.with_status(plural, merge_patch(api.objects[key], body))
-                    return self._send(200, api.objects[key])
-                return self._send(405, {"kind": "Status", "code": 405})
-
-            do_GET = do_POST = do_PATCH = _handle
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def with_status(self, plural, obj):
-        if plural == "inferenceservices":  # the controller's job: Ready, with tag-routing URLs
-            obj = dict(obj)
-            obj["status"] = {
-                "conditions": [{"type": "Ready", "status": "True"}],
-                "components": {"transformer": {"traffic": [{"tag": "latest", "url": self.latest_url}]}},
-            }
-        return obj
+MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
+KINDS = {"serviceaccounts", "roles", "rolebindings", "configmaps", "inferenceservices"}
 
 
 @pytest.fixture
@@ -98,9 +33,11 @@ def fake_api(predictor):
     from serving.serve_local import wait_ready
 
     wait_ready(f"{predictor['url']}/v1/models/reranker", proc=predictor["proc"])
-    api = FakeApi(predictor["url"])
+    api = FakeApi(
+        traffic={"prev": ("gr2-reranker-predictor-00001", "http://prev"), "latest": ("r2", predictor["url"])}
+    )
     yield api
-    api.server.shutdown()
+    api.close()
 
 
 def kube_for(api: FakeApi) -> KserveKube:
@@ -109,61 +46,99 @@ def kube_for(api: FakeApi) -> KserveKube:
     return KserveKube(api_client=client.ApiClient(cfg))
 
 
-def test_rollout_through_the_kubernetes_client(fake_api, model_dir, ml_slice, tmp_path):
-    from serving.rollout import smoke_test
-
-    store = ArtifactStore(LocalBackend(tmp_path / "store"))
-    items = list(ml_slice["items"]["item_id"])[:4]
-    plan = rollout(
+def deploy(api, store, model_dir, run_id, out, overlay, smoke_items, **kw):
+    return rollout(
         model_dir,
-        "run7",
+        run_id,
         "model",
         {"model": "floor", "recall@1": 0.3},
         store,
-        OVERLAY,
-        tmp_path / "out",
-        {"user_id": "1", "candidates": items},
-        canary_percent=10,
+        overlay,
+        out,
+        {"user_id": "1", "candidates": smoke_items},
         dry_run=False,
-        kube=kube_for(fake_api),
+        kube=kube_for(api),
         poll_s=0,
         smoke=lambda url, name, inst: smoke_test(url, "reranker", inst),
+        **kw,
     )
-    assert plan.outcome == "promoted", plan.actions
-    posted = [p for m, p, _, _ in fake_api.requests if m == "POST"]
-    assert any(p.endswith("/namespaces/gr2/serviceaccounts") for p in posted)
-    assert any(p.endswith("/namespaces/gr2/secrets") for p in posted)
-    assert any(p.startswith("/apis/rbac.authorization.k8s.io/v1/namespaces/gr2/") for p in posted)
-    isvc_calls = [(m, ct, b) for m, p, ct, b in fake_api.requests if "/inferenceservices" in p]
-    methods = [m for m, _, _ in isvc_calls]
-    # first apply: GET 404 -> POST with the canary; polling GET; promote: GET -> PATCH removing the canary
-    assert methods[:2] == ["GET", "POST"] and methods[-1] == "PATCH", methods
-    assert isvc_calls[1][2]["spec"]["predictor"]["canaryTrafficPercent"] == 10
-    assert isvc_calls[-1][1] == "application/merge-patch+json"
-    assert isvc_calls[-1][2]["spec"]["predictor"]["canaryTrafficPercent"] is None  # explicit null = remove
-    stored = fake_api.objects[("gr2", "inferenceservices", "gr2-reranker")]
-    assert "canaryTrafficPercent" not in stored["spec"]["predictor"]
-    env = stored["spec"]["predictor"]["containers"][0]["env"]
-    assert {"name": "STORAGE_URI", "value": plan.storage_uri} in env
-    assert store.production()["run_id"] == "run7"
 
-    # a second rollout re-applies core kinds (409 AlreadyExists is fine) and patches the existing ISVC
-    plan = rollout(
-        model_dir,
-        "run8",
-        "model",
-        {"model": "floor"},
-        store,
-        OVERLAY,
-        tmp_path / "out2",
-        {"user_id": "1", "candidates": ["nope", "nada"]},
-        canary_percent=20,
-        dry_run=False,
-        kube=kube_for(fake_api),
-        poll_s=0,
-        smoke=lambda url, name, inst: smoke_test(url, "reranker", inst),
+
+def test_rollout_server_side_applies_everything_then_promotes(fake_api, model_dir, ml_slice, tmp_path):
+    store = ArtifactStore(LocalBackend(tmp_path / "store"))
+    items = list(ml_slice["items"]["item_id"])[:4]
+    plan = deploy(
+        fake_api, store, model_dir, "run7", tmp_path / "out", MANIFESTS / "overlays" / "prod", items
     )
-    assert plan.outcome == "rolled-back"
-    stored = fake_api.objects[("gr2", "inferenceservices", "gr2-reranker")]
-    assert stored["spec"]["predictor"]["canaryTrafficPercent"] == 0
-    assert store.production()["run_id"] == "run7"
+    assert plan.outcome == "canary", plan.actions
+    writes = [r for r in fake_api.requests if r.method != "GET"]
+    # every write is a server-side apply by gr2, never forced; one per rendered object
+    assert {
+        (r.method, r.content_type, r.query.get("fieldManager"), r.query.get("force")) for r in writes
+    } == {("PATCH", APPLY, FIELD_MANAGER, None)}
+    assert {r.path.split("/")[-2] for r in writes} == KINDS
+    assert {key[1] for key in fake_api.objects} == KINDS and {key[0] for key in fake_api.objects} == {"gr2"}
+    isvc = fake_api.isvc()
+    assert isvc["spec"]["predictor"]["canaryTrafficPercent"] == 10
+    env = isvc["spec"]["predictor"]["containers"][0]["env"]
+    assert {"name": "STORAGE_URI", "value": plan.storage_uri} in env
+    assert store.production() is None  # the canary runs; nothing is promoted before its analysis
+
+    # promote: the same InferenceService applied without the canary field; gr2 owned it, so it goes away
+    isvc_doc = next(d for d in read_manifests(tmp_path / "out") if d["kind"] == "InferenceService")
+    pointer = promote(kube_for(fake_api), isvc_doc, store, Plan.read(tmp_path / "out"))
+    assert "canaryTrafficPercent" not in fake_api.isvc()["spec"]["predictor"]
+    assert pointer["run_id"] == "run7" and store.production()["uri"] == plan.storage_uri
+
+
+def test_redeploy_is_idempotent_and_updates_a_changed_configmap(fake_api, model_dir, ml_slice, tmp_path):
+    store = ArtifactStore(LocalBackend(tmp_path / "store"))
+    items = list(ml_slice["items"]["item_id"])[:4]
+    manifests = tmp_path / "manifests"
+    shutil.copytree(MANIFESTS, manifests)
+    overlay = manifests / "overlays" / "prod"
+    deploy(fake_api, store, model_dir, "run1", tmp_path / "a", overlay, items)
+    versions = dict(fake_api.versions)
+
+    # the same objects again (a new model: only the InferenceService's STORAGE_URI changes)
+    deploy(fake_api, store, model_dir, "run2", tmp_path / "b", overlay, items)
+    changed = {key[1] for key, v in fake_api.versions.items() if v != versions[key]}
+    assert changed == {"inferenceservices"}, changed
+
+    # a changed ConfigMap is updated in place (create-only would have kept the old one)
+    cm_file = overlay / "feast-config.yaml"
+    cm_file.write_text(cm_file.read_text().replace("cache_ttl_seconds: 60", "cache_ttl_seconds: 5"))
+    deploy(fake_api, store, model_dir, "run3", tmp_path / "c", overlay, items)
+    cm = fake_api.get("gr2", "configmaps", "gr2-feast-serving")
+    assert "cache_ttl_seconds: 5" in cm["data"]["feature_store.yaml"]
+    assert (
+        fake_api.versions[("gr2", "configmaps", "gr2-feast-serving")]
+        == versions[("gr2", "configmaps", "gr2-feast-serving")] + 1
+    )
+    assert {m["manager"] for m in cm["metadata"]["managedFields"]} == {FIELD_MANAGER}
+
+
+def test_a_conflict_with_another_manager_is_reported(fake_api, model_dir, ml_slice, tmp_path):
+    store = ArtifactStore(LocalBackend(tmp_path / "store"))
+    items = list(ml_slice["items"]["item_id"])[:4]
+    overlay = MANIFESTS / "overlays" / "prod"
+    deploy(fake_api, store, model_dir, "run1", tmp_path / "a", overlay, items)
+    # someone scales the predictor by hand (kubectl edit: an update by another field manager)
+    kube_for(fake_api).api.call_api(
+        "/apis/serving.kserve.io/v1beta1/namespaces/gr2/inferenceservices/gr2-reranker",
+        "PATCH",
+        query_params=[("fieldManager", "kubectl-edit")],
+        header_params={"Content-Type": "application/merge-patch+json"},
+        body={"spec": {"predictor": {"minReplicas": 5}}},
+        auth_settings=["BearerToken"],
+    )
+    with pytest.raises(
+        ApplyConflict,
+        match=r'InferenceService gr2/gr2-reranker: .*"kubectl-edit": \.spec\.predictor\.minReplicas',
+    ):
+        deploy(fake_api, store, model_dir, "run2", tmp_path / "b", overlay, items)
+    plan = Plan.read(tmp_path / "b")
+    assert plan.outcome == "failed" and "kubectl-edit" in plan.actions[-1]["conflict"]
+    assert fake_api.isvc()["spec"]["predictor"]["minReplicas"] == 5  # not overwritten: no force
+    assert store.production() is None
+    assert yaml.safe_load((tmp_path / "b" / "plan.json").read_text())["run_id"] == "run2"

@@ -1,4 +1,4 @@
-"""Canary rollout: dry run (manifests + plan, no cluster), and the apply -> wait -> smoke -> promote/rollback
+"""Canary rollout: dry run (manifests + plan, no cluster), and the apply -> wait -> smoke -> canary/rollback
 logic against an in-memory fake of the Kubernetes API (no real cluster can run here) whose InferenceService
 status points its `latest` tag at the real predictor server on 127.0.0.1."""
 
@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from components.artifact_store import ArtifactStore, LocalBackend
-from serving.rollout import rollout, smoke_test
+from manifests.kustomize import build
+from serving.rollout import rollout, set_rollout, smoke_test
 
 OVERLAY = Path(__file__).resolve().parents[2] / "manifests" / "overlays" / "prod"
 
@@ -24,6 +26,7 @@ class FakeKube:
 
     def apply(self, doc):
         self.applied.append(json.loads(json.dumps(doc)))
+        return doc
 
     def get(self, name, namespace):
         isvcs = [d for d in self.applied if d["kind"] == "InferenceService"]
@@ -80,7 +83,22 @@ def test_dry_run_writes_manifests_and_plan_without_promoting(model_dir, tmp_path
     assert (out / "reranker.json").read_text() == (Path(model_dir) / "reranker.json").read_text()
 
 
-def test_canary_smoke_passes_then_promotes(model_dir, predictor, ml_slice, tmp_path):
+def test_set_rollout_storage_uri_canary_and_promote():
+    docs = build(OVERLAY)
+    isvc = set_rollout(docs, storage_uri="s3://gr2-models/reranker/r1/model/a1", canary_percent=25)
+    p = isvc["spec"]["predictor"]
+    env = p["containers"][0]["env"]
+    assert [e["value"] for e in env if e["name"] == "STORAGE_URI"] == ["s3://gr2-models/reranker/r1/model/a1"]
+    assert p["canaryTrafficPercent"] == 25
+    set_rollout(docs, canary_percent=-1)  # promote: the field goes away
+    assert "canaryTrafficPercent" not in isvc["spec"]["predictor"]
+    set_rollout(docs, canary_percent=0)  # roll back: pin the previous revision
+    assert isvc["spec"]["predictor"]["canaryTrafficPercent"] == 0
+    with pytest.raises(ValueError, match="canary_percent"):
+        set_rollout(docs, canary_percent=150)
+
+
+def test_canary_smoke_passes_then_the_canary_runs(model_dir, predictor, ml_slice, tmp_path):
     from serving.serve_local import wait_ready
 
     wait_ready(f"{predictor['url']}/v1/models/reranker", proc=predictor["proc"])
@@ -103,11 +121,11 @@ def test_canary_smoke_passes_then_promotes(model_dir, predictor, ml_slice, tmp_p
         poll_s=0,
         smoke=lambda url, name, inst: smoke_test(url, "reranker", inst),
     )
-    assert plan.outcome == "promoted", plan.actions
-    isvcs = [d for d in kube.applied if d["kind"] == "InferenceService"]
-    assert isvcs[0]["spec"]["predictor"]["canaryTrafficPercent"] == 10
-    assert "canaryTrafficPercent" not in isvcs[-1]["spec"]["predictor"]
-    assert store.production()["run_id"] == "run2" and store.production()["uri"] == plan.storage_uri
+    assert plan.outcome == "canary", plan.actions
+    (isvc,) = [d for d in kube.applied if d["kind"] == "InferenceService"]  # no promote before the analysis
+    assert isvc["spec"]["predictor"]["canaryTrafficPercent"] == 10
+    assert store.production() is None
+    assert plan.run_id == "run2" and plan.target == {"name": "gr2-reranker", "namespace": "gr2"}
     smoke_step = next(a for a in plan.actions if a["action"] == "smoke")
     assert smoke_step["passed"] and "HTTP 200" in smoke_step["detail"]
 
@@ -192,7 +210,7 @@ def test_deploy_component_dry_run_in_a_local_pipeline(model_dir, tmp_path):
         raise_on_error=True,
     )
     p()
-    (plan_file,) = (tmp_path / "root").rglob("plan.json")
+    (plan_file,) = (tmp_path / "root").rglob("plan.json")  # written by the plain function, as in a cluster
     plan = json.loads(plan_file.read_text())
     assert plan["outcome"] == "dry-run" and plan["canary_percent"] == 30
     assert plan["storage_uri"].startswith(str((tmp_path / "store").resolve()))

@@ -131,6 +131,22 @@ def test_predictor_loads_from_s3_uri(tmp_path, monkeypatch):
         server.stop()
 
 
+def test_predictor_rejects_a_decoder_the_model_cannot_run():
+    """'spec' needs a model that carries its verifier: asking another model for it is a 400 naming the field."""
+
+    class NoVerifier(FloorReranker):
+        decoders = ("diffusion", "ar")
+
+    p = RerankPredictor("reranker", reranker=NoVerifier(n_candidates=4, items=["a", "b", "c"]))
+    inst = {"user_id": "u", "candidates": ["c", "a"]}
+    with pytest.raises(InvalidInput, match=r"instances\[1\]\.decoder: 'spec' is not available"):
+        asyncio.run(p.predict({"instances": [inst, {**inst, "decoder": "spec"}]}))
+    with pytest.raises(InvalidInput, match=r"instances\[0\]\.decoder: 'spec' is not available"):
+        asyncio.run(p.predict({"instances": [inst], "parameters": {"decoder": "spec"}}))
+    out = asyncio.run(p.predict({"instances": [{**inst, "decoder": "ar"}]}))
+    assert out["predictions"][0]["ranking"] == ["c", "a"] and out["predictions"][0]["decoder"] == "ar"
+
+
 def test_transformer_policies(feast_repo, ml_slice):
     items = list(ml_slice["items"]["item_id"])
     strict = FeastTransformer(

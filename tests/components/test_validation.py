@@ -117,9 +117,17 @@ def test_test_target_in_training_rejected(tables):
 
 def test_too_few_rows_rejected(tables):
     ds, _, ex = tables
-    rep = _run(ds, ex.head(5))
+    rep = _run(ds, ex.groupby("split").head(2))
     assert _failed(rep) == {("expect_table_row_count_to_be_between", "table")}
-    assert "row count within bounds" in rep.message and "observed 5" in rep.message
+    assert "row count within bounds" in rep.message and "observed 6" in rep.message
+
+
+def test_a_split_without_examples_rejected(tables):
+    """Enough rows, but the retriever reached none of the validation targets: stop before training."""
+    ds, _, ex = tables
+    rep = _run(ds, ex[ex["split"] != "val"].reset_index(drop=True))
+    assert _failed(rep) == {("expect_column_distinct_values_to_contain_set", "split")}
+    assert "every split (train, val, test) has rows" in rep.message
 
 
 def test_report_artifacts(tables, tmp_path):

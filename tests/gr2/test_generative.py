@@ -184,11 +184,13 @@ class _FakeTeacher:
         self.tokenizer = tokenizer
         self.calls = 0
         self.open_id = tokenizer.convert_tokens_to_ids("{")
+        self.trace = tokenizer.convert_tokens_to_ids(["[A]", "[B]"])  # two trace tokens, neither of them "{"
+        assert self.open_id not in self.trace
 
     def decode(self, prompts, decoder, tau, batch_size):
         assert decoder == "ar"
         self.calls += 1
-        return type("D", (), {"responses": [[7, 8, self.open_id, p[0], 2] for p in prompts]})()
+        return type("D", (), {"responses": [[*self.trace, self.open_id, p[0], 2] for p in prompts]})()
 
     def read_answer(self, response, n):
         return [], response[3] % 2 == 0, None, None
@@ -203,7 +205,7 @@ def test_teacher_records_fall_back_and_resume_from_cache(pipeline, tmp_path):
     t, a = prof.sft.trace_weight, prof.sft.answer_weight
     for p, r in enumerate(recs):
         if p % 2 == 0:  # valid teacher answer: its tokens, trace weight before "{", answer weight from it
-            assert r == ([p], [7, 8, fake.open_id, p, 2], [t, t, a, a, a])
+            assert r == ([p], [*fake.trace, fake.open_id, p, 2], [t, t, a, a, a])
         else:  # invalid: the SFT record unchanged
             assert r == sft[p]
     assert stats["teacher_frac"] == pytest.approx(3 / 5) and stats["n_records"] == 5

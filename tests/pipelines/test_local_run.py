@@ -37,6 +37,7 @@ def test_local_run_writes_report(tmp_path):
         ("opd", 0.5),
         ("rl", 1.0),
         ("rl", 0.5),
+        ("spec", 0.5),
     ]
     for r in rep["rows"]:
         assert 0 <= r["recall@1"] <= r["recall@3"] <= r["recall@5"] <= 1

@@ -35,7 +35,20 @@ DROPPED = {
     "repeats": {},
     "long": {},
 }
-STAGES = ["floor", "popularity", "ltr", "teacher", "ar_sft", "ar", "ar_no_trace", "naive", "cft", "opd", "rl"]
+STAGES = [
+    "floor",
+    "popularity",
+    "ltr",
+    "teacher",
+    "ar_sft",
+    "ar",
+    "ar_no_trace",
+    "naive",
+    "cft",
+    "opd",
+    "rl",
+    "spec",
+]
 
 
 # A DAG run costs minutes of CPU, so `make test` runs the most degraded variant; GR2_ALL_VARIANTS=1 runs all four.

@@ -99,7 +99,7 @@ def test_local_run_writes_report(tmp_path):
     )
     sp = json.loads((tmp_path / "sp.json").read_text())
     assert [(s["model"], s["tau"], s["batch"]) for s in sp["speed"]] == [
-        (m, t, b) for b in (1, 4) for m, t in (("ar", None), ("rl", 1.0), ("rl", 0.5))
+        (m, t, b) for b in (1, 4) for m, t in (("ar", None), ("rl", 1.0), ("rl", 0.5), ("spec", 0.5))
     ]
     assert all(s["tokens_per_s"] > 0 for s in sp["speed"])
     assert [s["speedup_vs_ar"] for s in sp["speed"] if s["model"] == "ar"] == [1.0, 1.0]

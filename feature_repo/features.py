@@ -54,11 +54,17 @@ def parquet_fields(path: str, skip: set[str]) -> list[Field]:
         if f.name in skip:
             continue
         t = f.type
-        if hasattr(t, "value_type"):  # list<...>
-            dtype = Array(_ARROW_TO_FEAST[str(t.value_type)])
-        else:
-            dtype = _ARROW_TO_FEAST[str(t)]
-        out.append(Field(name=f.name, dtype=dtype))
+        is_list = hasattr(t, "value_type")  # list<...>
+        name = str(t.value_type if is_list else t)
+        if name not in _ARROW_TO_FEAST:
+            raise ValueError(
+                f"{path}: column {f.name!r} has Arrow type {t}, which has no Feast type "
+                f"(known: {sorted(_ARROW_TO_FEAST)}{', as lists too' if is_list else ''}); "
+                "list<null> means every list is empty: write the column with a typed schema"
+            )
+        out.append(
+            Field(name=f.name, dtype=Array(_ARROW_TO_FEAST[name]) if is_list else _ARROW_TO_FEAST[name])
+        )
     return out
 
 

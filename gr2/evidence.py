@@ -12,6 +12,11 @@ categories and its title tokens. Per (history, candidate) we compute FEATURE_NAM
   title_sim         cosine of c's TF-IDF title vector with the recency-weighted history profile
   retriever_rank    position of c in the retriever's list (0 = first)
 
+A feature the data cannot supply is dropped, never served as a constant that looks like signal: with no
+item carrying a category, `category_overlap`; with no item carrying a title token, `title_sim`
+(`Evidence.feature_names` are the features kept, `Evidence.dropped_features` says why each other one went;
+both go into evidence.json, the prompts' vocabulary, the teacher, the LTR model and the report).
+
 Fitting and serving both compute features from the K-truncated tables, so they agree exactly. For a
 training example the example's own target interaction is subtracted from the counts (`own_target`), as
 in the retriever, so training and test features have the same distribution.
@@ -41,6 +46,8 @@ FEATURE_NAMES = (
     "title_sim",
     "retriever_rank",
 )
+# The features that need per-item content, and the item-table column that supplies each.
+CONTENT_FEATURES = {"category_overlap": "categories", "title_sim": "title_tokens"}
 _STOP = {"the", "and", "of", "for", "with", "in", "to", "by", "on", "an", "or", "oz", "fl", "ounce", "pack"}
 
 
@@ -86,6 +93,8 @@ class Evidence:
     def __init__(self, config: EvidenceConfig | None = None):
         self.config = config or EvidenceConfig()
         self.bucket_edges: np.ndarray | None = None  # [F, n_buckets - 1]
+        self.feature_names: tuple[str, ...] = FEATURE_NAMES  # the features computed (FEATURE_NAMES order)
+        self.dropped_features: dict[str, str] = {}  # feature -> why the data cannot supply it
 
     # ------------------------------------------------------------------ fitting and tables
     @classmethod
@@ -132,17 +141,35 @@ class Evidence:
         return {
             "config": dataclasses.asdict(self.config),
             "bucket_edges": edges,
-            "features": list(FEATURE_NAMES),
+            "features": list(self.feature_names),
+            "dropped_features": dict(self.dropped_features),
         }
 
     @classmethod
     def from_item_tables(cls, df: pd.DataFrame, meta: dict | None = None) -> Evidence:
-        """Rebuild from the served tables (plus `meta` = config and bucket edges; default `df.attrs`)."""
+        """Rebuild from the served tables (plus `meta` = config, bucket edges and the features kept; default
+        `df.attrs`). Without a feature list in `meta` (at fit), the table decides which features it supplies."""
         meta = meta if meta is not None else df.attrs.get("evidence", {})
         ev = cls(EvidenceConfig(**meta.get("config", {})))
+        df = df.sort_values("item_id", kind="stable").reset_index(drop=True)
+        if meta.get("features") is None:
+            ev.dropped_features = unsupplied_features(df)
+            ev.feature_names = tuple(f for f in FEATURE_NAMES if f not in ev.dropped_features)
+        else:
+            unknown = sorted(set(meta["features"]) - set(FEATURE_NAMES))
+            if unknown:
+                raise ValueError(
+                    f"evidence meta names unknown features {unknown}: known {list(FEATURE_NAMES)}"
+                )
+            ev.feature_names = tuple(f for f in FEATURE_NAMES if f in meta["features"])
+            ev.dropped_features = dict(meta.get("dropped_features") or {})
         if meta.get("bucket_edges") is not None:
             ev.bucket_edges = np.asarray(meta["bucket_edges"], dtype=np.float64)
-        df = df.sort_values("item_id", kind="stable").reset_index(drop=True)
+            if len(ev.bucket_edges) != len(ev.feature_names):
+                raise ValueError(
+                    f"evidence meta has bucket edges for {len(ev.bucket_edges)} features, "
+                    f"but {len(ev.feature_names)} features {list(ev.feature_names)}"
+                )
         ev._table = df
         ev.items = df["item_id"].to_numpy(dtype=object)
         ev.index = {x: i for i, x in enumerate(ev.items)}
@@ -184,14 +211,14 @@ class Evidence:
         own_targets: Sequence[str | None] | None = None,
         chunk: int = 5000,
     ) -> np.ndarray:
-        """[B, N, F] features; all lists have the same length N. Chunked to bound memory."""
+        """[B, N, F] features (F = `feature_names`); all lists have the same length N. Chunked to bound memory."""
         histories, candidates = list(histories), list(candidates)
         own = list(own_targets) if own_targets is not None else [None] * len(histories)
         parts = [
             self._features(histories[lo : lo + chunk], candidates[lo : lo + chunk], own[lo : lo + chunk])
             for lo in range(0, len(histories), chunk)
         ]
-        return np.concatenate(parts) if parts else np.zeros((0, 0, len(FEATURE_NAMES)))
+        return np.concatenate(parts) if parts else np.zeros((0, 0, len(self.feature_names)))
 
     def _features(self, histories, candidates, own) -> np.ndarray:
         cfg = self.config
@@ -234,7 +261,7 @@ class Evidence:
         )
         X[:, :, 5] = self._profile_dot(q @ self.title_vec, self.title_vec, cand, norm="cosine")
         X[:, :, 6] = np.arange(N)[None, :]
-        return X
+        return X[:, :, [FEATURE_NAMES.index(f) for f in self.feature_names]]
 
     @staticmethod
     def _vote(pairs: _Pairs, rows, items, weights, own_cnt, cand, tgt) -> np.ndarray:
@@ -267,6 +294,8 @@ class Evidence:
         1..n_buckets-1 = equal-count quantile ranges of the values above it (PromptConfig.n_buckets)."""
         if n_buckets < 2:
             raise ValueError(f"n_buckets must be >= 2, got {n_buckets}")
+        if X.shape[-1] != len(self.feature_names):
+            raise ValueError(f"features have {X.shape[-1]} columns, evidence has {list(self.feature_names)}")
         flat = X.reshape(-1, X.shape[-1])
         edges = np.zeros((flat.shape[1], n_buckets - 1))
         inner = np.arange(1, n_buckets - 1) / (n_buckets - 1)
@@ -285,6 +314,16 @@ class Evidence:
             raise RuntimeError("Evidence.buckets: call fit_buckets on training features first")
         e = self.bucket_edges
         return sum((X > e[:, i]).astype(np.int64) for i in range(e.shape[1]))
+
+
+def unsupplied_features(table: pd.DataFrame) -> dict[str, str]:
+    """The content features (CONTENT_FEATURES) an item table cannot supply (no item has the column's values),
+    with the reason: computing them would give every candidate the same value."""
+    out = {}
+    for feature, col in CONTENT_FEATURES.items():
+        if not any(v is not None and len(v) for v in table[col]):
+            out[feature] = f"no item has {col.replace('_', ' ')}"
+    return out
 
 
 def _row_lists(m: sp.csr_matrix, ids: np.ndarray | None = None) -> list[list]:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from gr2.decode import ar_generate, diffusion_generate, spec_generate
-from gr2.evidence import FEATURE_NAMES, Evidence
+from gr2.evidence import Evidence
 from gr2.inference import CONFIG_FILE, DECODERS, ITEMS_FILE, RankRequest, RankResult, register_reranker
 from gr2.model import load_model, save_model
 from gr2.prompt import encode_prompt, parse_response
@@ -148,7 +148,7 @@ class GenerativeReranker:
                     [self.sids.codes[h] for h in hs],
                     [self.sids.codes[c] for c in cs],
                     b,
-                    FEATURE_NAMES,
+                    self.evidence.feature_names,
                     self.item_tokens,
                 )
             )

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from gr2.data.profile import profile_markdown
 from gr2.metrics import METRICS, evaluate, identity_rankings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -158,6 +159,14 @@ def render_markdown(report: dict, plots: list[str] | None = None) -> str:
     if gate is not None:
         out += ["", f"**Gate: {'PASSED' if gate.get('passed') else 'FAILED'}**"]
         out += [f"- {r}" for r in gate.get("reasons", [])]
+    # What the data has and lacks, and the evidence features dropped because the data cannot supply them
+    # (never computed as a constant that looks like signal: gr2/evidence.py).
+    dropped = (report.get("evidence") or {}).get("dropped_features")
+    if report.get("dataset_profile") or dropped:
+        out += ["", "## Dataset profile", ""]
+        out += profile_markdown(report["dataset_profile"]) if report.get("dataset_profile") else []
+        if dropped:
+            out += ["- evidence features dropped: " + "; ".join(f"{f} ({w})" for f, w in dropped.items())]
     cards = report.get("model_cards") or []
     if cards:
         out += ["", "## Model cards", "", " · ".join(f"[{Path(c).stem}]({c})" for c in cards)]

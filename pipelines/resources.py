@@ -36,9 +36,16 @@ def _common(task):
     return task
 
 
-def cpu_task(task, cpu: str = "2", memory: str = "8G"):
-    """A CPU step: requests, one retry, S3 credentials."""
-    task.set_cpu_request(cpu).set_memory_request(memory).set_retry(1, backoff_duration="30s")
+def cpu_task(task, cpu: str = "2", memory: str = "8G", retries: int = 0):
+    """A CPU step: requests, S3 credentials, and `retries` retries (30 s apart).
+
+    Retry only a step that talks to a service which can fail for a moment (feature store registry and
+    online store, the artifact store, the Kubernetes API). A step that only computes on its inputs fails
+    the same way again: a retry would repeat a data error (bad rows, a missing column) and double its
+    time before anyone sees it. Steps that read a dataset or compute on artifacts therefore get none."""
+    task.set_cpu_request(cpu).set_memory_request(memory)
+    if retries:
+        task.set_retry(retries, backoff_duration="30s")
     return _common(task)
 
 

@@ -5,7 +5,7 @@ A sources folder holds
   items.parquet         the catalog (item_id, title, categories)
   user_history.parquet  Feast source: one row per interaction, history = last H items up to and including it
   item_features.parquet Feast source: one snapshot row per item, title/categories + evidence item tables
-  meta.json             dataset name, H, snapshot, row counts
+  meta.json             dataset name, H, snapshot, row counts, the dataset profile (gr2.data.profile)
 """
 
 from __future__ import annotations
@@ -15,11 +15,29 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from gr2.data.dataset import Dataset
+from gr2.data.profile import dataset_profile
 from gr2.data.split import event_times
 
 TS = "event_timestamp"
+
+
+def write_parquet(df: pd.DataFrame, path: str | Path) -> None:
+    """`df` as parquet, with every list column typed by its values.
+
+    A list column whose lists are all empty (no item has a category, no title has a token) would be typed
+    list<null> by Arrow, which the feature store cannot declare or materialize. Such a column is written as
+    list<string>: the id, token and category lists are strings, and a count list is only empty everywhere
+    when its id list is too, so no reader ever sees one of its values.
+    """
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    for i, f in enumerate(table.schema):
+        if pa.types.is_list(f.type) and pa.types.is_null(f.type.value_type):
+            table = table.set_column(i, f.name, table.column(i).cast(pa.list_(pa.string())))
+    pq.write_table(table, path)
 
 
 def user_history_rows(interactions: pd.DataFrame, ts: pd.Series, history_len: int) -> pd.DataFrame:
@@ -70,15 +88,13 @@ def write_sources(
     inter = dataset.interactions.reset_index(drop=True)
     ts = event_times(inter).reset_index(drop=True)
     inter = inter.assign(event_ts=ts.to_numpy())
-    inter.to_parquet(out / "interactions.parquet", index=False)
-    dataset.items.to_parquet(out / "items.parquet", index=False)
-    user_history_rows(inter, ts, history_len).to_parquet(out / "user_history.parquet", index=False)
+    write_parquet(inter, out / "interactions.parquet")
+    write_parquet(dataset.items, out / "items.parquet")
+    write_parquet(user_history_rows(inter, ts, history_len), out / "user_history.parquet")
     # The item snapshot is stamped before the first event: the tables describe the catalog as seen by the
     # training data (gr2.evidence fits on training targets only), so every example may read them.
     snapshot_ts = ts.min() - pd.Timedelta(days=1)
-    item_feature_rows(dataset.items, item_tables, snapshot_ts).to_parquet(
-        out / "item_features.parquet", index=False
-    )
+    write_parquet(item_feature_rows(dataset.items, item_tables, snapshot_ts), out / "item_features.parquet")
     if (
         item_tables is not None
     ):  # config + bucket edges to rebuild gr2.evidence.Evidence from the served table
@@ -94,7 +110,14 @@ def write_sources(
         "n_interactions": len(inter),
         "n_users": int(inter["user_id"].nunique()),
         "n_items": len(dataset.items),
+        "profile": dataset_profile(dataset),  # what the data has and lacks (gr2/data/profile.py)
     }
+    if item_tables is not None:  # the evidence features kept, and those the data cannot supply (gr2.evidence)
+        ev = item_tables.attrs.get("evidence", {})
+        meta["evidence"] = {
+            "features": ev.get("features"),
+            "dropped_features": ev.get("dropped_features", {}),
+        }
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
 

@@ -181,7 +181,6 @@ def evaluate(
     dataset: str = "",
 ) -> dict[str, Any]:
     """Floor (retriever order), popularity and ltr rows on the test examples -> report.json / report.md."""
-    from gr2.evidence import FEATURE_NAMES
     from gr2.ltr import fit_ltr, rankings_from_scores
     from gr2.metrics import evaluate as evaluate_rows
     from gr2.metrics import identity_rankings
@@ -212,7 +211,7 @@ def evaluate(
     test = split["test"]
     n = prof.data.n_candidates
     floor = identity_rankings(len(test), n)
-    pop_col = FEATURE_NAMES.index("popularity")
+    pop_col = ev.feature_names.index("popularity")
     models = {
         "floor": floor,
         "popularity": rankings_from_scores(X["test"][:, :, pop_col]),
@@ -231,6 +230,7 @@ def evaluate(
         "dataset_arg": dataset,
         "profile": prof.name,
         "snapshot_date": meta.get("snapshot_date", ""),
+        "dataset_profile": meta.get("profile"),  # what the data has and lacks, from ingest
         "rows": rows,
         "gate": {
             "passed": False,
@@ -243,6 +243,8 @@ def evaluate(
             "n_test_targets": n_test_targets,
         },
         "ltr": {"model": ltr.kind, "params": ltr.params, "val": ltr.val},
+        # The features every model saw; those the data cannot supply are dropped, with the reason.
+        "evidence": {"features": list(ev.feature_names), "dropped_features": dict(ev.dropped_features)},
         "n_examples": {s: len(d) for s, d in split.items()},
         "seconds": round(time.perf_counter() - t0, 2),
     }

@@ -214,6 +214,11 @@ def _suites(bounds: Bounds, n_candidates: int | None) -> dict[str, list]:
         gxe.ExpectColumnValuesToBeInSet(
             column="split", value_set=SPLITS, description="split is train/val/test"
         ),
+        # Sparse data can pass the row count with one split empty (a few users, none of whose validation or
+        # test items the retriever reached): training, model selection and the test each need examples.
+        gxe.ExpectColumnDistinctValuesToContainSet(
+            column="split", value_set=SPLITS, description="every split (train, val, test) has rows"
+        ),
         gxe.ExpectColumnValuesToBeBetween(
             column="history_len", min_value=1, description="history is not empty"
         ),

@@ -1,9 +1,11 @@
 """Load and validate a dataset in the uniform TSV format (../shared/data/README.md).
 
 interactions.tsv: user_id, item_id, seq_idx (required), timestamp, rating (optional), one row per event,
-seq_idx 0-based and contiguous per user. items.tsv (optional): item_id (required), title, categories
-(`|`-joined). Everything is read as text first so ids keep their exact spelling ("007" stays "007"), then
-checked; any problem raises `DatasetError` naming the file, the 1-based line number and the problem.
+seq_idx 0-based, contiguous and increasing down each user's rows. items.tsv (optional): item_id (required),
+title, categories (`|`-joined); every item_id of interactions.tsv must be in it. Everything is read as text
+first so ids keep their exact spelling ("007" stays "007"), then checked; any problem raises `DatasetError`
+naming the file, the 1-based line number, the column and the problem. What is optional may be missing or
+empty everywhere (no titles, no categories, no timestamps): gr2.data.profile says what a dataset lacks.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ class Dataset:
         return len(self.items)
 
 
-def _fail(path: Path, line: int | None, problem: str) -> DatasetError:
+def _fail(path: Path, line: int | None, problem: str, column: str | None = None) -> DatasetError:
     where = f"{path}" if line is None else f"{path}, line {line}"
+    if column is not None:
+        where += f", column {column!r}"
     return DatasetError(f"{where}: {problem}")
 
 
@@ -61,10 +65,12 @@ def _read_tsv(path: Path, required: list[str]) -> pd.DataFrame:
         raise _fail(path, None, "empty file (no header)") from None
     except pd.errors.ParserError as e:
         raise _fail(path, None, f"cannot parse TSV ({e})") from None
+    except UnicodeDecodeError as e:
+        raise _fail(path, None, f"not UTF-8 text (byte {e.start}: {e.reason})") from None
     df.columns = [str(c).strip() for c in df.columns]
     for col in required:
         if col not in df.columns:
-            raise _fail(path, 1, f"missing required column {col!r} (header has {list(df.columns)})")
+            raise _fail(path, 1, f"missing required column (header has {list(df.columns)})", col)
     if len(df) == 0:
         raise _fail(path, None, "empty file (header but no rows)")
     # Short rows are padded by pandas with NaN even with na_filter off; treat as empty strings.
@@ -81,7 +87,10 @@ def _check_ids(df: pd.DataFrame, col: str, path: Path) -> None:
     if len(bad):
         i = bad[0]
         raise _fail(
-            path, _line(i), f"empty or bad {col} {df[col].iat[i]!r} (ids must be non-empty, no whitespace)"
+            path,
+            _line(i),
+            f"empty or bad {col} {df[col].iat[i]!r} (ids must be non-empty, no whitespace)",
+            col,
         )
 
 
@@ -90,7 +99,7 @@ def _read_items(path: Path) -> pd.DataFrame:
     _check_ids(raw, "item_id", path)
     dup = np.flatnonzero(raw["item_id"].duplicated().to_numpy())
     if len(dup):
-        raise _fail(path, _line(dup[0]), f"duplicated item_id {raw['item_id'].iat[dup[0]]!r}")
+        raise _fail(path, _line(dup[0]), f"duplicated item_id {raw['item_id'].iat[dup[0]]!r}", "item_id")
     title = raw["title"].str.strip() if "title" in raw else pd.Series("", index=raw.index)
     if "categories" in raw:
         categories = [[c for c in s.split("|") if c.strip()] for s in raw["categories"]]
@@ -100,10 +109,10 @@ def _read_items(path: Path) -> pd.DataFrame:
 
 
 def _to_float(col: pd.Series, path: Path, name: str) -> np.ndarray:
-    num = pd.to_numeric(col.replace("", np.nan), errors="coerce").to_numpy(np.float64)
+    num = pd.to_numeric(col.mask(col == ""), errors="coerce").to_numpy(np.float64)  # "" = unknown
     bad = np.flatnonzero(np.isnan(num) & (col != "").to_numpy())
     if len(bad):
-        raise _fail(path, _line(bad[0]), f"{name} {col.iat[bad[0]]!r} is not a number")
+        raise _fail(path, _line(bad[0]), f"{name} {col.iat[bad[0]]!r} is not a number", name)
     return num
 
 
@@ -115,7 +124,10 @@ def _read_interactions(path: Path) -> pd.DataFrame:
     bad = np.flatnonzero((seq.isna() | (seq != seq.round()) | (seq < 0)).to_numpy())
     if len(bad):
         raise _fail(
-            path, _line(bad[0]), f"seq_idx {raw['seq_idx'].iat[bad[0]]!r} is not a non-negative integer"
+            path,
+            _line(bad[0]),
+            f"seq_idx {raw['seq_idx'].iat[bad[0]]!r} is not a non-negative integer",
+            "seq_idx",
         )
     out = pd.DataFrame(
         {
@@ -133,7 +145,23 @@ def _read_interactions(path: Path) -> pd.DataFrame:
     if len(dup):
         i = dup[0]
         raise _fail(
-            path, _line(i), f"duplicated row: user {out['user_id'].iat[i]!r} seq_idx {out['seq_idx'].iat[i]}"
+            path,
+            _line(i),
+            f"duplicated row: user {out['user_id'].iat[i]!r} seq_idx {out['seq_idx'].iat[i]} appears twice",
+            "seq_idx",
+        )
+    # Rows follow each user's order (the format's promise): a seq_idx that goes down within a user means
+    # the file was shuffled or two exports were mixed, and its order cannot be trusted.
+    prev = out.groupby("user_id", sort=False)["seq_idx"].shift(1).to_numpy()
+    down = np.flatnonzero(out["seq_idx"].to_numpy() < prev)  # NaN (a user's first row) compares False
+    if len(down):
+        i = down[0]
+        raise _fail(
+            path,
+            _line(i),
+            f"seq_idx {out['seq_idx'].iat[i]} of user {out['user_id'].iat[i]!r} comes after "
+            f"seq_idx {int(prev[i])} (rows of a user must be in increasing seq_idx)",
+            "seq_idx",
         )
     out["_line"] = np.arange(len(out)) + 2
     out = out.sort_values(["user_id", "seq_idx"], kind="stable").reset_index(drop=True)
@@ -146,6 +174,7 @@ def _read_interactions(path: Path) -> pd.DataFrame:
             path,
             int(out["_line"].iat[i]),
             f"seq_idx {out['seq_idx'].iat[i]} of user {out['user_id'].iat[i]!r} breaks 0..n-1 (expected {expected[i]})",
+            "seq_idx",
         )
     return out
 
@@ -167,6 +196,7 @@ def load_dataset(path: str | os.PathLike, name: str | None = None) -> Dataset:
                 inter_path,
                 int(inter["_line"].iat[i]),
                 f"item_id {inter['item_id'].iat[i]!r} is not in {items_path.name} ({int(unknown.sum())} rows affected)",
+                "item_id",
             )
     else:
         ids = sorted(inter["item_id"].unique())

@@ -19,7 +19,7 @@ import torch
 from gr2.config import Profile
 from gr2.data.dataset import Dataset
 from gr2.data.split import train_sequences
-from gr2.evidence import FEATURE_NAMES, Evidence
+from gr2.evidence import Evidence
 from gr2.sid import SemanticIds, build_semantic_ids
 from gr2.teacher import Teacher, build_sft_records, fit_teacher
 from gr2.tokenizer import load_tokenizer, tokenizer_for
@@ -90,10 +90,12 @@ def prepare_sft(
     evidence.fit_buckets(x_train, profile.prompt.n_buckets)
     b_train = evidence.buckets(x_train)
     sids = build_semantic_ids(dataset.name, dataset.items, seqs, profile.sid, seed)
-    tokenizer = tokenizer_for(sids, FEATURE_NAMES, profile.prompt)
+    names = evidence.feature_names  # without the features the data cannot supply
+    tokenizer = tokenizer_for(sids, names, profile.prompt)
     labels = train["label"].to_numpy()
-    teacher = fit_teacher(x_train, labels, FEATURE_NAMES, profile.teacher, profile.prompt.score_levels, seed)
+    teacher = fit_teacher(x_train, labels, names, profile.teacher, profile.prompt.score_levels, seed)
     stats: dict = {"sid": sids.stats, "n_train_lists": len(train), "vocab_size": len(tokenizer)}
+    stats |= {"features": list(names), "dropped_features": dict(evidence.dropped_features)}
     val = examples[examples["split"] == "val"]  # the test row is the report's (gr2/stages/evaluate.py)
     if len(val):
         stats["teacher_recall@1_val"] = teacher.recall_at(
@@ -103,7 +105,7 @@ def prepare_sft(
     for variant in ("trace", "ar_no_trace"):
         st: dict = {}
         records[variant] = build_sft_records(
-            train, x_train, b_train, FEATURE_NAMES, sids, teacher, tokenizer, profile, variant, st
+            train, x_train, b_train, names, sids, teacher, tokenizer, profile, variant, st
         )
         stats[f"records_{variant}"] = st
     stats["seconds"] = round(time.perf_counter() - t0, 1)

@@ -117,9 +117,19 @@ def test_test_target_in_training_rejected(tables):
 
 def test_too_few_rows_rejected(tables):
     ds, _, ex = tables
-    rep = _run(ds, ex.head(5))
+    few = ex.groupby("split").head(2)
+    assert set(few["split"]) == {"train", "val", "test"}  # every split has rows: only the count is wrong
+    rep = _run(ds, few)
     assert _failed(rep) == {("expect_table_row_count_to_be_between", "table")}
-    assert "row count within bounds" in rep.message and "observed 5" in rep.message
+    assert "row count within bounds" in rep.message and f"observed {len(few)}" in rep.message
+
+
+def test_a_split_without_examples_rejected(tables):
+    """Enough rows, but the retriever reached none of the validation targets: stop before training."""
+    ds, _, ex = tables
+    rep = _run(ds, ex[ex["split"] != "val"].reset_index(drop=True))
+    assert _failed(rep) == {("expect_column_distinct_values_to_contain_set", "split")}
+    assert "every split (train, val, test) has rows" in rep.message
 
 
 def test_report_artifacts(tables, tmp_path):
@@ -151,7 +161,7 @@ def test_validate_component_returns_passed_and_writes_artifacts(tables, slice_ro
 
     kwargs = dict(
         sources=dsl.Dataset(name="sources", uri=str(slice_root / "sources")),
-        profile="quick",
+        profile="smoke",  # leave-one-out, as the fixture built the targets
         stage="examples",
         bounds_json=json.dumps(SLICE_BOUNDS),
     )

@@ -3,6 +3,7 @@ equal to gr2's pure-pandas split, the no-leak property, the feast CLI, and the p
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -116,6 +117,22 @@ def test_feast_cli_apply_uses_repo_definitions(store_env, tmp_path):
         "feature service reranker_v1",
     ):
         assert f"Created {name}" in out.stdout
+
+
+def test_a_column_without_a_feast_type_is_named(tmp_path):
+    """An all-empty list column written without a schema (list<null>) fails with the file, column and cause,
+    not a KeyError; the ingest step types such columns (components/_lib/sources.write_parquet)."""
+    pd.DataFrame({"item_id": ["1"], "title_tokens": [[]], "popularity": [3]}).to_parquet(
+        tmp_path / "f.parquet"
+    )
+    feast_io.definitions(tmp_path)  # puts feature_repo/ on sys.path, as `feast apply` does
+    parquet_fields = importlib.import_module("features").parquet_fields
+
+    with pytest.raises(ValueError, match=r"f.parquet: column 'title_tokens' has Arrow type list<\w+: null>"):
+        parquet_fields(str(tmp_path / "f.parquet"), skip={"item_id"})
+    sources.write_parquet(pd.read_parquet(tmp_path / "f.parquet"), tmp_path / "g.parquet")
+    fields = {f.name: str(f.dtype) for f in parquet_fields(str(tmp_path / "g.parquet"), skip={"item_id"})}
+    assert fields == {"title_tokens": "Array(String)", "popularity": "Int64"}
 
 
 def test_prod_yaml_shares_definitions(monkeypatch):

@@ -71,62 +71,86 @@ def test_ids_keep_their_spelling(tmp_path):
     [
         ("", None, "interactions.tsv", "empty file"),
         ("user_id\titem_id\tseq_idx\n", None, "interactions.tsv", "no rows"),
-        ("user_id\tseq_idx\nu\t0\n", None, "interactions.tsv, line 1", "missing required column 'item_id'"),
+        ("user_id\tseq_idx\nu\t0\n", None, "interactions.tsv, line 1, column 'item_id'", "missing required"),
         (
             "user_id\titem_id\tseq_idx\nu\ta\t0\n\tb\t1\n",
             None,
-            "interactions.tsv, line 3",
+            "interactions.tsv, line 3, column 'user_id'",
             "empty or bad user_id",
         ),
         (
             "user_id\titem_id\tseq_idx\nu\ta\t0\nu\tb\tx\n",
             None,
-            "interactions.tsv, line 3",
+            "interactions.tsv, line 3, column 'seq_idx'",
             "not a non-negative integer",
         ),
         (
             "user_id\titem_id\tseq_idx\nu\ta\t0\nu\tb\t1.5\n",
             None,
-            "interactions.tsv, line 3",
+            "interactions.tsv, line 3, column 'seq_idx'",
             "not a non-negative integer",
         ),
-        ("user_id\titem_id\tseq_idx\nu\ta\t0\nu\tb\t0\n", None, "interactions.tsv, line 3", "duplicated row"),
-        ("user_id\titem_id\tseq_idx\nu\ta\t0\nu\tb\t2\n", None, "interactions.tsv, line 3", "breaks 0..n-1"),
+        (
+            "user_id\titem_id\tseq_idx\nu\ta\t0\nu\tb\t0\n",
+            None,
+            "interactions.tsv, line 3, column 'seq_idx'",
+            "duplicated row: user 'u' seq_idx 0",
+        ),
+        (
+            "user_id\titem_id\tseq_idx\nu\ta\t0\nu\tb\t2\n",
+            None,
+            "interactions.tsv, line 3, column 'seq_idx'",
+            "breaks 0..n-1",
+        ),
+        (  # non-monotone: user u's rows go 1, 0 (another user in between does not hide it)
+            "user_id\titem_id\tseq_idx\nu\ta\t1\nv\ta\t0\nu\tb\t0\n",
+            None,
+            "interactions.tsv, line 4, column 'seq_idx'",
+            "seq_idx 0 of user 'u' comes after seq_idx 1",
+        ),
+        (  # latin-1 bytes in a title
+            "user_id\titem_id\tseq_idx\nu\ta\t0\n",
+            "item_id\ttitle\na\tCaf\xe9\n",
+            "items.tsv",
+            "not UTF-8 text",
+        ),
         (
             "user_id\titem_id\ttimestamp\tseq_idx\nu\ta\tnow\t0\n",
             None,
-            "interactions.tsv, line 2",
+            "interactions.tsv, line 2, column 'timestamp'",
             "not a number",
         ),
         (
             "user_id\titem_id\tseq_idx\nu\ta\t0\nu\tq\t1\n",
             ITEMS,
-            "interactions.tsv, line 3",
+            "interactions.tsv, line 3, column 'item_id'",
             "'q' is not in items.tsv",
         ),
         (
             "user_id\titem_id\tseq_idx\nu\ta\t0\n",
             "title\nA\n",
-            "items.tsv, line 1",
-            "missing required column 'item_id'",
+            "items.tsv, line 1, column 'item_id'",
+            "missing required column",
         ),
         (
             "user_id\titem_id\tseq_idx\nu\ta\t0\n",
             "item_id\na\na\n",
-            "items.tsv, line 3",
+            "items.tsv, line 3, column 'item_id'",
             "duplicated item_id 'a'",
         ),
         (
             "user_id\titem_id\tseq_idx\nu\ta\t0\n",
             "item_id\na\n\n",
-            "items.tsv, line 3",
+            "items.tsv, line 3, column 'item_id'",
             "empty or bad item_id",
         ),
         ("user_id\titem_id\tseq_idx\nu\ta\t0\n", "", "items.tsv", "empty file"),
     ],
 )
 def test_malformed_input_names_file_line_and_problem(tmp_path, inter, items, where, problem):
-    d = _write(tmp_path, inter, items)
+    d = _write(tmp_path, inter, None)
+    if items is not None:  # bytes: the latin-1 case must reach the reader undecoded
+        (d / "items.tsv").write_bytes(items.encode("latin-1"))
     with pytest.raises(DatasetError) as e:
         load_dataset(d)
     assert where in str(e.value) and problem in str(e.value), str(e.value)

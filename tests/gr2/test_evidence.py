@@ -131,3 +131,47 @@ def test_features_on_real_slice_train_matches_test_distribution():
     lab = ex.label.to_numpy()
     assert (Xn[tr_m, lab[tr_m], 0] >= X[tr_m, lab[tr_m], 0]).all()
     assert (Xn[tr_m, lab[tr_m], 0] > X[tr_m, lab[tr_m], 0]).mean() > 0.5
+
+
+@pytest.mark.parametrize(
+    "strip, dropped",
+    [
+        ({"title": ""}, {"title_sim": "no item has title tokens"}),
+        ({"categories": [[]] * 6}, {"category_overlap": "no item has categories"}),
+        (
+            {"title": "", "categories": [[]] * 6},
+            {"category_overlap": "no item has categories", "title_sim": "no item has title tokens"},
+        ),
+    ],
+)
+def test_features_the_data_cannot_supply_are_dropped(ev, tmp_path, strip, dropped):
+    """No titles / no categories: the feature is not computed (it would be 0 for every candidate, a column
+    that looks like evidence but says nothing); the other features are unchanged, and the choice survives the
+    feature-store round trip and save/load, where the served table alone could not tell."""
+    bare = Evidence.fit(TRAIN, ITEMS.assign(**strip), CFG)
+    kept = tuple(f for f in FEATURE_NAMES if f not in dropped)
+    assert bare.feature_names == kept and bare.dropped_features == dropped
+    hist, cands = [["a", "b"], ["c"]], [["c", "d", "e"], ["e", "f", "a"]]
+    X = bare.features_batch(hist, cands, ["c", None])
+    assert X.shape == (2, 3, len(kept))
+    np.testing.assert_array_equal(X, ev.features_batch(hist, cands, ["c", None])[:, :, [F[f] for f in kept]])
+    bare.fit_buckets(X)
+    assert bare.meta()["features"] == list(kept) and bare.meta()["dropped_features"] == dropped
+    bare.save(tmp_path / "ev")
+    back = Evidence.load(tmp_path / "ev")
+    assert back.feature_names == kept and back.dropped_features == dropped
+    np.testing.assert_array_equal(back.features_batch(hist, cands, ["c", None]), X)
+    np.testing.assert_array_equal(back.buckets(X), bare.buckets(X))
+    # Served rows that happen to carry no text keep the fitted features: the meta decides, not the rows.
+    served = ev.item_tables().assign(title_tokens=[[]] * 6, categories=[[]] * 6)
+    assert Evidence.from_item_tables(served, ev.meta()).feature_names == FEATURE_NAMES
+    with pytest.raises(ValueError, match="columns"):
+        bare.fit_buckets(np.zeros((1, 3, len(FEATURE_NAMES))))
+
+
+def test_evidence_meta_that_does_not_match_is_rejected(ev):
+    with pytest.raises(ValueError, match="unknown features"):
+        Evidence.from_item_tables(ev.item_tables(), {**ev.meta(), "features": ["trans_last", "title_simm"]})
+    ev.fit_buckets(np.zeros((2, 3, len(FEATURE_NAMES))))
+    with pytest.raises(ValueError, match="bucket edges for 7 features"):
+        Evidence.from_item_tables(ev.item_tables(), {**ev.meta(), "features": ["trans_last", "popularity"]})

@@ -184,11 +184,13 @@ class _FakeTeacher:
         self.tokenizer = tokenizer
         self.calls = 0
         self.open_id = tokenizer.convert_tokens_to_ids("{")
+        self.trace = tokenizer.convert_tokens_to_ids(["[A]", "[B]"])  # two trace tokens, neither of them "{"
+        assert self.open_id not in self.trace
 
     def decode(self, prompts, decoder, tau, batch_size):
         assert decoder == "ar"
         self.calls += 1
-        return type("D", (), {"responses": [[7, 8, self.open_id, p[0], 2] for p in prompts]})()
+        return type("D", (), {"responses": [[*self.trace, self.open_id, p[0], 2] for p in prompts]})()
 
     def read_answer(self, response, n):
         return [], response[3] % 2 == 0, None, None
@@ -203,7 +205,7 @@ def test_teacher_records_fall_back_and_resume_from_cache(pipeline, tmp_path):
     t, a = prof.sft.trace_weight, prof.sft.answer_weight
     for p, r in enumerate(recs):
         if p % 2 == 0:  # valid teacher answer: its tokens, trace weight before "{", answer weight from it
-            assert r == ([p], [7, 8, fake.open_id, p, 2], [t, t, a, a, a])
+            assert r == ([p], [*fake.trace, fake.open_id, p, 2], [t, t, a, a, a])
         else:  # invalid: the SFT record unchanged
             assert r == sft[p]
     assert stats["teacher_frac"] == pytest.approx(3 / 5) and stats["n_records"] == 5
@@ -223,14 +225,16 @@ def test_evaluate_rows_and_speed(pipeline):
         ("naive", 0.5),
         ("cft", 1.0),
         ("cft", 0.5),
+        ("spec", 0.5),  # the final student drafts, ar verifies: ar's tokens, so ar's accuracy
     ]
+    assert rows[-1]["recall@1"] == rows[0]["recall@1"] and rows[-1]["validity"] == rows[0]["validity"]
     for r in rows:
         assert 0.0 <= r["validity"] <= 1.0 and r["n_users"] == test["user_id"].nunique()
         assert sum(r["invalid_reasons"].values()) == round((1 - r["validity"]) * len(test))
         assert r["ci95"]["recall@1"][0] <= r["recall@1"] <= r["ci95"]["recall@1"][1]
     # Speed: AR then CFT at every tau, at batch 1 and at the serving batch; AR is its own baseline.
     assert [(s["model"], s["tau"], s["batch"]) for s in speed] == [
-        (m, t, b) for b in (1, 4) for m, t in (("ar", None), ("cft", 1.0), ("cft", 0.5))
+        (m, t, b) for b in (1, 4) for m, t in (("ar", None), ("cft", 1.0), ("cft", 0.5), ("spec", 0.5))
     ]
     for s in speed:
         assert s["tokens_per_s"] > 0 and s["nfe_per_seq"] >= 1

@@ -6,6 +6,8 @@ import json
 
 import pandas as pd
 
+from gr2.data.dataset import Dataset
+from gr2.data.profile import dataset_profile
 from gr2.report import floor_row, git_sha, machine_info, render_markdown, write_report
 
 
@@ -51,4 +53,23 @@ def test_machine_info_and_sha():
 
 def test_markdown_without_optional_parts():
     md = render_markdown({"dataset": "d", "rows": []})
-    assert md.startswith("# Report: d") and "Gate" not in md
+    assert md.startswith("# Report: d") and "Gate" not in md and "Dataset profile" not in md
+
+
+def test_markdown_has_the_dataset_profile():
+    inter = pd.DataFrame(
+        {"user_id": ["u", "u"], "item_id": ["a", "b"], "timestamp": float("nan"), "seq_idx": [0, 1]}
+    )
+    items = pd.DataFrame({"item_id": ["a", "b"], "title": "", "categories": [[], []]})
+    prof = dataset_profile(Dataset("d", inter, items))
+    md = render_markdown({"dataset": "d", "rows": [], "dataset_profile": prof})
+    assert "## Dataset profile" in md and "lacks: titles, categories, timestamps" in md
+    assert "evidence features dropped" not in md
+    dropped = {"category_overlap": "no item has categories", "title_sim": "no item has title tokens"}
+    md = render_markdown(
+        {"dataset": "d", "rows": [], "dataset_profile": prof, "evidence": {"dropped_features": dropped}}
+    )
+    assert (
+        "- evidence features dropped: category_overlap (no item has categories); "
+        "title_sim (no item has title tokens)" in md
+    )

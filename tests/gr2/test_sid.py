@@ -92,6 +92,21 @@ def test_dedup_level_separates_identical_items(tmp_path):
     assert sids.stats["unique_full_frac"] == 1.0
 
 
+def test_items_without_any_signal_spread_over_the_codebooks(tmp_path):
+    """A catalog with no titles and no categories whose items mostly never appear in training (a real catalog
+    next to a small interaction log): those items embed to zero. They must not share one RQ prefix, or the
+    de-dup level grows to one code per cold item."""
+    items = pd.DataFrame({"item_id": [f"i{k:02d}" for k in range(60)], "title": "", "categories": [[]] * 60})
+    seqs = {f"u{u}": [f"i{(u + k) % 10:02d}" for k in range(6)] for u in range(10)}  # items i00..i09 only
+    sids = build_semantic_ids("cold", items, seqs, SIDConfig(kmeans_iters=5), cache_dir=tmp_path)
+    assert sids.stats["items_without_signal"] == 50
+    assert sids.stats["unique_full_frac"] == 1.0
+    assert sids.codebook_sizes[3] <= 3  # was 50: every cold item in one prefix
+    assert len({c[:3] for c in sids.codes.values()}) >= 50
+    again = build_semantic_ids("cold", items, seqs, SIDConfig(kmeans_iters=5), cache_dir=tmp_path)
+    assert again.codes == sids.codes  # the random directions are seeded
+
+
 @pytest.fixture(scope="module")
 def ml_slice():
     ds = load_dataset(data_root() / "ml-latest-small")

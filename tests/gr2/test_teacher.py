@@ -173,3 +173,32 @@ def test_integration_on_real_slice(tmp_path, item_tokens):
     for r in recs[:50]:
         res = parse_response(r.response_ids, 10, tok)
         assert res.reason is None and sorted(res.ranking) == list(range(10))
+
+
+def test_prepare_without_titles_or_categories_drops_their_features(tmp_path):
+    """ml-latest-small, 40 users (their items only), titles and categories emptied: the teacher, the prompt
+    vocabulary and the SFT prompts carry no title_sim / category_overlap (no constant bucket that looks like
+    evidence), and the stats say why."""
+    from gr2.stages.prepare import prepare_sft
+
+    ds = load_dataset(data_root() / "ml-latest-small")
+    users = ds.interactions["user_id"].drop_duplicates().iloc[:40]
+    ds.interactions = ds.interactions[ds.interactions["user_id"].isin(users)].reset_index(drop=True)
+    ds.items = ds.items[ds.items["item_id"].isin(ds.interactions["item_id"])].reset_index(drop=True)
+    ds.items = ds.items.assign(title="", categories=[[] for _ in range(len(ds.items))])
+    cfg = Profile(sid=SIDConfig(content_weight=0.0, kmeans_iters=5))
+    tr = train_sequences(ds)
+    examples, _ = attach_candidates(
+        build_targets(ds, cfg.data.history_len), CoocRetriever(cfg.retriever).fit(tr, ds.items["item_id"]), 10
+    )
+    sft = prepare_sft(examples, ds, cfg)
+    kept = [f for f in FEATURE_NAMES if f not in ("category_overlap", "title_sim")]
+    assert sft.stats["features"] == kept and sft.teacher.feature_names == tuple(kept)
+    assert sft.stats["dropped_features"] == {
+        "category_overlap": "no item has categories",
+        "title_sim": "no item has title tokens",
+    }
+    vocab = sft.tokenizer.get_vocab()
+    assert "<trans_0>" in vocab and not any(t.startswith(("<sim_", "<cat_")) for t in vocab)
+    n = len(sft.records["trace"][0].prompt_ids)
+    assert n == 2 + 10 * (1 + len(kept))  # <bos> 'candidates' + per candidate its label and kept buckets

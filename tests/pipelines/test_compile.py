@@ -123,7 +123,18 @@ def test_gpu_steps_have_accelerator_node_selector_toleration_retries(compiled):
         )
         assert "nodeSelector" not in k8s[label] and "tolerations" not in k8s[label]
         assert {s["secretName"] for s in k8s[label]["secretAsEnv"]} == {S3_SECRET}
-        assert tasks[step][1]["retryPolicy"]["maxRetryCount"] == 1
+
+
+def test_only_steps_that_talk_to_services_are_retried(compiled):
+    """A deterministic data error must not run twice: the steps that read the dataset or compute on
+    artifacts have no retry policy; the feature store and artifact store steps retry once."""
+    spec, _ = compiled
+    tasks = _tasks(spec)
+    never = ["ingest", "validate-targets", "candidates", "validate-examples", "evaluate-floor", "prepare-sft"]
+    for step in never:
+        assert "retryPolicy" not in tasks[step][1], step
+    for step in ["feast-apply", "extract", "gate", "deploy", "record-outcome"]:
+        assert tasks[step][1]["retryPolicy"]["maxRetryCount"] == 1, step
 
 
 def test_deploy_sits_under_the_gate_condition(compiled):

@@ -37,6 +37,7 @@ def test_local_run_writes_report(tmp_path):
         ("opd", 0.5),
         ("rl", 1.0),
         ("rl", 0.5),
+        ("spec", 0.5),
     ]
     for r in rep["rows"]:
         assert 0 <= r["recall@1"] <= r["recall@3"] <= r["recall@5"] <= 1
@@ -130,3 +131,26 @@ def test_failed_validation_stops_the_pipeline(tmp_path):
     [v] = res["validation"]  # only the targets validation ran; candidates and evaluation were skipped
     assert not v["passed"] and "expect_table_row_count_to_be_between" in v["message"]
     assert not list((tmp_path / "bad" / "kfp").glob("**/candidates"))
+
+
+def test_malformed_dataset_fails_at_ingest_and_writes_nothing(tmp_path, capfd):
+    """Truly malformed data (here a seq_idx that goes down within a user) stops the DAG in ingest, with the
+    loader's error naming file, line and column, before anything reaches the feature store; the exit handler
+    still records the failed outcome. (That ingest is not retried on the cluster: tests/pipelines/test_compile.py.)"""
+    inter = pd.read_csv(require_slice() / "interactions.tsv", sep="\t", dtype=str, keep_default_na=False)
+    inter = inter[inter["user_id"].isin(["1", "2"])].reset_index(drop=True)
+    inter.loc[[3, 4], "seq_idx"] = inter.loc[[4, 3], "seq_idx"].to_numpy()  # user 1's rows 3 and 4 swapped
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    inter.to_csv(bad / "interactions.tsv", sep="\t", index=False)
+    with pytest.raises(RuntimeError, match="Inner task failed: .*ingest"):
+        run_local(str(bad), "smoke", tmp_path, "bad", "2026-01-01", serve_smoke=False)
+    logs = "".join(capfd.readouterr())
+    assert (
+        "DatasetError" in logs
+        and "interactions.tsv, line 6, column 'seq_idx': seq_idx 3 of user '1' comes after" in logs
+    )
+    root = tmp_path / "bad" / "kfp"
+    assert not list(root.glob("**/feast-apply")) and not list(root.glob("**/*.parquet"))
+    [outcome] = root.glob("**/outcome/outcome.json")
+    assert json.loads(outcome.read_text())["status"] == "FAILED"

@@ -187,10 +187,16 @@ def main(argv: list[str] | None = None) -> None:
         str(a.body_timeout_s),
         *(["--enable_model_control"] if a.enable_model_control else []),
     ]
-    # a SIGTERM before the transformer's server takes over the signal must still run the `finally` below
-    # (Python's default action would exit at once and orphan the predictor child)
+    # A SIGTERM before the transformer's server takes over the signal must still run the `finally` below
+    # (Python's default action would exit at once and orphan the predictor child). It is held until the `try`
+    # (one arriving while Popen starts the child would otherwise exit before `child` exists); the child
+    # starts with it unblocked.
+    sigterm = {signal.SIGTERM}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    child = subprocess.Popen(child_args)
+    signal.pthread_sigmask(signal.SIG_BLOCK, sigterm)
+    child = subprocess.Popen(
+        child_args, preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, sigterm)
+    )
     stopping = threading.Event()
 
     def stop_when_child_exits() -> None:
@@ -201,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
 
     threading.Thread(target=stop_when_child_exits, daemon=True).start()
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigterm)  # a SIGTERM held since Popen exits from here
         # a long limit: the wait ends as soon as the child dies, and a busy machine loads the model slowly
         wait_ready(f"http://{a.host}:{pport}/v1/models/{a.model_name}", timeout_s=600, proc=child)
         log.info("predictor ready on %s:%d; starting the transformer on %s:%d", a.host, pport, a.host, a.port)

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gr2.inference import RankResult
 from serving.predictor import RerankPredictor
-from serving.schema import BadRequest
+from serving.schema import BadRequest, ServeConfig
 from tests.serving.conftest import MODEL
 
 
@@ -109,7 +109,8 @@ def test_metrics_endpoint_shows_them_after_traffic(predictor, ml_slice):
             )
         bad = {"instances": [{"user_id": "1", "candidates": ["nope", "nada"]}]}
         assert http.post(f"{url}/v1/models/{MODEL}:predict", json=bad).status_code == 400
-        big = b'{"instances": [' + b" " * (300 * 1024) + b"]}"
+        # over the predictor's limit, which also allows the histories a transformer adds
+        big = b'{"instances": [' + b" " * (ServeConfig().forwarded_body_bytes() + 1024) + b"]}"
         r = http.post(
             f"{url}/v1/models/{MODEL}:predict", content=big, headers={"content-type": "application/json"}
         )

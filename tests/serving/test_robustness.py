@@ -429,9 +429,8 @@ def test_serve_local_stopped_while_its_predictor_loads_takes_the_child_down(mode
             assert proc.poll() is None, (tmp_path / "all.log").read_text()[-2000:]
             time.sleep(0.05)
         (child,) = kids
-        proc.send_signal(
-            signal.SIGTERM
-        )  # the child is still loading the model: the transformer has not started
+        # at once: the child is still starting (even inside Popen), the transformer has not started
+        proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
         child.wait(timeout=60)  # psutil raises TimeoutExpired while the child still runs
     finally:

@@ -16,6 +16,7 @@ from components.artifact_store import open_store
 from gr2.inference import FloorReranker, RankRequest
 from serving.batcher import MicroBatcher
 from serving.predictor import RerankPredictor
+from serving.schema import BadRequest
 from serving.transformer import FeastTransformer, TransformerConfig
 
 
@@ -139,9 +140,9 @@ def test_predictor_rejects_a_decoder_the_model_cannot_run():
 
     p = RerankPredictor("reranker", reranker=NoVerifier(n_candidates=4, items=["a", "b", "c"]))
     inst = {"user_id": "u", "candidates": ["c", "a"]}
-    with pytest.raises(InvalidInput, match=r"instances\[1\]\.decoder: 'spec' is not available"):
+    with pytest.raises(BadRequest, match=r"instances\[1\]\.decoder: 'spec' is not available"):
         asyncio.run(p.predict({"instances": [inst, {**inst, "decoder": "spec"}]}))
-    with pytest.raises(InvalidInput, match=r"instances\[0\]\.decoder: 'spec' is not available"):
+    with pytest.raises(BadRequest, match=r"instances\[0\]\.decoder: 'spec' is not available"):
         asyncio.run(p.predict({"instances": [inst], "parameters": {"decoder": "spec"}}))
     out = asyncio.run(p.predict({"instances": [{**inst, "decoder": "ar"}]}))
     assert out["predictions"][0]["ranking"] == ["c", "a"] and out["predictions"][0]["decoder"] == "ar"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from components._lib import sources
-from components._lib.steps import _profile, load_evidence
+from components._lib.steps import as_profile, load_evidence
 from gr2.config import Profile
 from gr2.generative import bundle_dir
 
@@ -30,7 +30,7 @@ def prepare_sft(
 ) -> dict:
     from gr2.stages.prepare import prepare_sft as _prepare
 
-    prof = _profile(profile)
+    prof = as_profile(profile)
     data = _prepare(
         sources.read_table(examples_path),
         sources.read_dataset(sources_dir, event_ts=False),
@@ -51,7 +51,7 @@ def train_ar(
     from gr2.stages.prepare import SFTData
     from gr2.stages.train_stages import bundle_meta, train_ar_teacher
 
-    bundle = train_ar_teacher(SFTData.load(sft_dir), _profile(profile), out_dir, variant)
+    bundle = train_ar_teacher(SFTData.load(sft_dir), as_profile(profile), out_dir, variant)
     return bundle_meta(bundle)["train"]
 
 
@@ -66,7 +66,7 @@ def convert_cft(
     from gr2.stages.prepare import SFTData
     from gr2.stages.train_stages import bundle_meta, convert, train_cft
 
-    prof = _profile(profile)
+    prof = as_profile(profile)
     naive = convert(bundle_dir(ar_dir), prof.diffusion.block_size, naive_dir)
     cft = train_cft(naive, SFTData.load(sft_dir), prof, cft_dir)
     return bundle_meta(cft)["train"]
@@ -88,7 +88,7 @@ def rl(
         bundle_dir(model_dir),
         SFTData.load(sft_dir),
         sources.read_table(examples_path),
-        _profile(profile),
+        as_profile(profile),
         out_dir,
     )
     return bundle_meta(bundle)["train"]
@@ -112,7 +112,7 @@ def distill(
         bundle_dir(teacher_dir),
         SFTData.load(sft_dir),
         sources.read_table(examples_path),
-        _profile(profile),
+        as_profile(profile),
         out_dir,
     )
     return bundle_meta(bundle)["train"]
@@ -135,7 +135,7 @@ def evaluate(
     from gr2.stages.prepare import SFTData
 
     t0 = time.perf_counter()
-    prof = _profile(profile)
+    prof = as_profile(profile)
     ex = sources.read_table(examples_path)
     test = ex[ex["split"] == "test"].reset_index(drop=True)
     if prof.data.max_eval_examples:

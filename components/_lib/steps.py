@@ -21,7 +21,8 @@ from gr2.config import Profile, load_profile
 from gr2.data.dataset import Dataset, load_dataset, resolve_dataset
 
 
-def _profile(profile: str | Profile) -> Profile:
+def as_profile(profile: str | Profile) -> Profile:
+    """A profile object from a name or path (steps take either)."""
     return profile if isinstance(profile, Profile) else load_profile(profile)
 
 
@@ -54,7 +55,7 @@ def ingest(
 ) -> dict[str, Any]:
     """Load a dataset (name or path), compute event times and write the sources folder."""
     t0 = time.perf_counter()
-    prof = _profile(profile)
+    prof = as_profile(profile)
     # An unset snapshot date is the run's own UTC date: every night's data is stamped with its real date.
     snapshot_date = snapshot_date or time.strftime("%Y-%m-%d", time.gmtime())
     ds = _slice_users(load_dataset(resolve_dataset(dataset, cache_dir)), max_users)
@@ -119,7 +120,7 @@ def validate(
         raise ValueError(f"stage must be 'targets' or 'examples', not {stage!r}")
     ds = sources.read_dataset(sources_dir)
     table = pd.read_parquet(table_path)
-    prof = _profile(profile)
+    prof = as_profile(profile)
     n_candidates = prof.data.n_candidates if stage == "examples" else None
     report = validate_tables(
         ds.interactions, ds.items, table, n_candidates, Bounds(**(bounds or {})), prof.data.eval_positions
@@ -143,7 +144,7 @@ def candidates(
     from gr2.retriever import CoocRetriever
 
     t0 = time.perf_counter()
-    prof = _profile(profile)
+    prof = as_profile(profile)
     ds = sources.read_dataset(sources_dir, event_ts=False)
     targets = sources.read_table(targets_path)
     seqs = train_sequences(ds, prof.data.eval_positions)
@@ -186,7 +187,7 @@ def evaluate(
     from gr2.metrics import identity_rankings
 
     t0 = time.perf_counter()
-    prof = _profile(profile)
+    prof = as_profile(profile)
     ex = sources.read_table(examples_path)
     ev = load_evidence(sources_dir)
     split = {s: ex[ex["split"] == s].reset_index(drop=True) for s in ("train", "val", "test")}
@@ -264,7 +265,7 @@ def validate_dataset(
     from components._lib.validation import Bounds, validate_tables
     from gr2.data.split import build_targets, event_times
 
-    prof = _profile(profile)
+    prof = as_profile(profile)
     ds = load_dataset(resolve_dataset(dataset))
     inter = ds.interactions.assign(event_ts=event_times(ds.interactions).to_numpy())
     targets = build_targets(ds, prof.data.history_len, prof.data.eval_positions)

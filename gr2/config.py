@@ -157,6 +157,9 @@ class PromptConfig:
     # Semantic IDs shown in the prompt: "none" (labels and evidence buckets only), "candidates" (+ each
     # candidate's SID), "all" (+ the history's SIDs). Chosen on validation (README: closing the distillation gap).
     item_tokens: str = "none"
+    # Decode the answer as a permutation: every decoder writes each candidate's label at most once (gr2/decode.py
+    # `unique`). Without it parallel decoding writes one label at two ranks of one block (README: validity).
+    unique_labels: bool = True
 
 
 @dataclass(frozen=True)

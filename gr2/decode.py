@@ -24,6 +24,11 @@ finished block's KV kept, the canvas KV dropped (`DynamicCache.crop`). That cost
 forward per block and no extra forward: block_size = 1 diffusion is AR exactly, nfe included, and
 nfe = 1 + n_blocks when every block commits in one round.
 
+Permutation answers. `unique` (optional) names tokens that may appear at most once in a response: the answer's
+candidate labels, so that every decoder writes each candidate once. Every decoder applies the same rule: a unique
+token already written is banned from the logits (`ban_repeats`), and a diffusion round that picks one unique
+token at two positions commits only the more confident (`one_of_each`). The equivalences below hold with it.
+
 Greedy by default. The token-choice rule is pluggable (`pick` for AR, `commit_fn` for diffusion) so that
 gr2/rl.py samples its rollouts with these same loops; the optional `logprobs` output tensor then receives the
 rule's log-prob of every decoded token. The greedy path computes no log-probs (no extra softmax).
@@ -119,6 +124,7 @@ def ar_generate(
     use_cache: bool = True,
     pick: PickRule | None = None,
     logprobs: torch.Tensor | None = None,
+    unique: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """AR decoding, batched with left padding. Returns (tokens [B, max_new_tokens], nfe).
 
@@ -126,12 +132,14 @@ def ar_generate(
     pick: the token choice from the last logits (default greedy arg-max, no log-probs computed).
     logprobs: optional output [B, max_new_tokens] (needs `pick`): each decoded token's log-prob as returned
     by `pick`, 0 for the eos filler written after a row finished.
+    unique: token ids written at most once per row (module docstring).
     """
     fill = eos_id if eos_id is not None else _pad_id(model)
     seq, _, attn, pos = _layout(prompts, max_new_tokens, model, fill)
     B, P = seq.shape[0], seq.shape[1] - max_new_tokens
     _check_logprobs(logprobs, pick, (B, max_new_tokens))
     done = torch.zeros(B, dtype=torch.bool, device=seq.device)
+    seen = None if unique is None else torch.zeros(B, len(unique), dtype=torch.bool, device=seq.device)
     cache = DynamicCache() if use_cache else None
     nfe = 0
     for t in range(max_new_tokens):
@@ -145,6 +153,8 @@ def ar_generate(
             logits_to_keep=1,  # the LM head on the last column only (the prefill would project all P)
         ).logits[:, -1]
         nfe += 1
+        if seen is not None:
+            logits = ban_repeats(logits[:, None], seen[:, None], unique)[:, 0]
         if pick is None:
             tok = logits.argmax(-1)
         else:
@@ -154,6 +164,8 @@ def ar_generate(
         if eos_id is not None:
             tok = tok.masked_fill(done, eos_id)
         seq[:, P + t] = tok
+        if seen is not None:
+            seen |= tok[:, None] == unique
         if eos_id is not None:
             done |= tok == eos_id
             if bool(done.all()):
@@ -183,6 +195,33 @@ def select_commits(
     return threshold_commits(top_lp.exp(), masked, tau), pred
 
 
+def seen_before(tokens: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:
+    """tokens [B, T] -> [B, T + 1, K]: whether unique[k] occurs in tokens[:, :t], for t = 0..T."""
+    hit = (tokens[:, :, None] == unique).long().cumsum(1) > 0
+    return torch.cat([torch.zeros_like(hit[:, :1]), hit], dim=1)
+
+
+def ban_repeats(logits: torch.Tensor, seen: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:
+    """logits [B, C, V] with -inf at every unique token already written: seen [B, C or 1, K] (`seen_before`)."""
+    ban = torch.zeros(*seen.shape[:2], logits.shape[-1], dtype=torch.bool, device=logits.device)
+    ban[..., unique] = seen
+    return logits.masked_fill(ban, float("-inf"))
+
+
+def one_of_each(
+    commit: torch.Tensor, pred: torch.Tensor, conf: torch.Tensor, unique: torch.Tensor
+) -> torch.Tensor:
+    """commit [B, C] less the positions that pick a unique token another committed position of the round picks
+    with more confidence (equal: the leftmost wins). The round's most confident position always stays."""
+    u = commit & torch.isin(pred, unique)
+    same = (pred[:, :, None] == pred[:, None, :]) & u[:, :, None] & u[:, None, :]  # [B, i, j]
+    col = torch.arange(pred.shape[1], device=pred.device)
+    beats = (conf[:, None, :] > conf[:, :, None]) | (
+        (conf[:, None, :] == conf[:, :, None]) & (col[None, None, :] < col[None, :, None])
+    )
+    return commit & ~(same & beats).any(-1)
+
+
 def _commit_round(
     shifted: torch.Tensor,
     committed: torch.Tensor,
@@ -193,19 +232,28 @@ def _commit_round(
     logprobs: torch.Tensor | None,
     rnd: int,
     eos_id: int | None,
+    unique: torch.Tensor | None = None,
+    seen: torch.Tensor | None = None,
 ) -> bool:
     """One commit round, shared by the diffusion loops: the commit rule on the token-shifted logits [B, c, V] of
     the block's first c positions, then its bookkeeping in place: the committed tokens into `block`, `rnd` into
     `traj`, their log-probs into `logprobs` (all three: the block's columns) and `committed` [B, cl].
+    unique / seen [B, K]: the tokens written at most once, and which of them the earlier blocks hold.
     Returns whether an eos was committed (only then can a row have finished)."""
     c = shifted.shape[1]
     masked = ~committed[:, :c]
+    if unique is not None:  # ban what earlier blocks and this block's committed positions hold
+        here = ((block[:, :, None] == unique) & committed[:, :, None]).any(1)
+        shifted = ban_repeats(shifted, (seen | here)[:, None], unique)
     if commit_fn is None:  # the module global, looked up per round (tests spy on it)
         commit, pred = select_commits(shifted, masked, tau)
     else:
         commit, pred, lp = commit_fn(shifted, masked, tau)
-        if logprobs is not None:
-            logprobs[:, :c][commit] = lp[commit]
+    if unique is not None:
+        conf = shifted.float().log_softmax(-1).gather(-1, pred[..., None])[..., 0]
+        commit = one_of_each(commit, pred, conf, unique)
+    if commit_fn is not None and logprobs is not None:
+        logprobs[:, :c][commit] = lp[commit]
     block[:, :c][commit] = pred[commit]
     if traj is not None:
         traj[:, :c].masked_fill_(commit, rnd)
@@ -241,6 +289,7 @@ def diffusion_generate(
     use_cache: bool = True,
     commit_fn: CommitRule | None = None,
     logprobs: torch.Tensor | None = None,
+    unique: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int, torch.Tensor]:
     """Block-diffusion decoding with threshold commits (greedy by default). Returns (tokens, nfe, trajectory).
 
@@ -259,11 +308,11 @@ def diffusion_generate(
     commit_fn: the commit rule, called as commit_fn(shifted logits, masked, tau) -> (commit, tokens,
     log-probs) (default `select_commits`, no log-probs computed). logprobs: optional output
     [B, max_new_tokens] (needs `commit_fn`): each committed token's log-prob as returned by the rule,
-    0 where trajectory is -1.
+    0 where trajectory is -1. unique: token ids written at most once per row (module docstring).
     """
     if not use_cache:
         return diffusion_generate_nocache(
-            model, prompts, max_new_tokens, block_size, tau, mask_id, eos_id, commit_fn, logprobs
+            model, prompts, max_new_tokens, block_size, tau, mask_id, eos_id, commit_fn, logprobs, unique
         )
     L = max_new_tokens
     fill = eos_id if eos_id is not None else mask_id
@@ -284,6 +333,7 @@ def diffusion_generate(
         cl = end - s0
         block, committed = resp[:, s0:end], done[:, None].repeat(1, cl)
         block[done] = fill
+        seen = None if unique is None else (resp[:, :s0, None] == unique).any(1)
         back = min(s0, block_size)  # the finished block, fed again by this block's first forward
         first_mask = rows[:, :, s0 - back : end, : P + end].contiguous()  # [finished block, canvas] rows
         canvas_mask = first_mask[:, :, back:].contiguous()
@@ -310,7 +360,7 @@ def diffusion_generate(
                 shifted = anchor[:, None]
             lp = None if logprobs is None else logprobs[:, s0:end]
             eos_seen |= _commit_round(
-                shifted, committed, tau, commit_fn, block, traj[:, s0:end], lp, rnd, eos_id
+                shifted, committed, tau, commit_fn, block, traj[:, s0:end], lp, rnd, eos_id, unique, seen
             )
             rnd += 1
             if eos_seen:
@@ -330,6 +380,7 @@ def diffusion_generate_nocache(
     eos_id: int | None,
     commit_fn: CommitRule | None = None,
     logprobs: torch.Tensor | None = None,
+    unique: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int, torch.Tensor]:
     """The reference for `diffusion_generate`: every round re-runs prompt + finished blocks + canvas under
     `block_causal_mask`, so every finished block is seen exactly as its own clean forward. Same arguments, tokens
@@ -351,6 +402,7 @@ def diffusion_generate_nocache(
         cl = end - s0
         block, committed = resp[:, s0:end], done[:, None].repeat(1, cl)
         block[done] = fill
+        seen = None if unique is None else (resp[:, :s0, None] == unique).any(1)
         eos_seen = False
         while not bool(committed.all()):
             T = P + end
@@ -363,7 +415,7 @@ def diffusion_generate_nocache(
             shifted = logits[:, P + s0 - 1 : T - 1]
             lp = None if logprobs is None else logprobs[:, s0:end]
             eos_seen |= _commit_round(
-                shifted, committed, tau, commit_fn, block, traj[:, s0:end], lp, rnd, eos_id
+                shifted, committed, tau, commit_fn, block, traj[:, s0:end], lp, rnd, eos_id, unique, seen
             )
             rnd += 1
             if eos_seen:
@@ -382,6 +434,7 @@ def spec_generate(
     tau: float,
     mask_id: int,
     eos_id: int | None,
+    unique: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int, int]:
     """Lossless speculative decoding: `ar_generate(verifier, ...)`'s tokens, with a block-diffusion draft.
 
@@ -398,6 +451,9 @@ def spec_generate(
     Both models keep a KV cache of the prompt and the finished blocks; each stores a finished block with its first
     forward of the next block, as `diffusion_generate` does. Returns (tokens [B, max_new_tokens], nfe = draft
     plus verifier forwards, prefills included, verifier forwards).
+
+    unique: token ids written at most once per row; the draft and the verifier's arg-max both obey it, so the
+    output is `ar_generate(..., unique=unique)`'s.
     """
     L = max_new_tokens
     fill = eos_id if eos_id is not None else _pad_id(verifier)
@@ -427,6 +483,7 @@ def spec_generate(
         kept[done] = True
         block[done] = fill
         canvas_mask = rows[:, :, s0:end, : P + end].contiguous()
+        seen = None if unique is None else (resp[:, :s0, None] == unique).any(1)
         while not bool(kept.all()):
             # Draft: commit rounds until no position is open (which round committed what is not kept).
             drafted = kept.clone()
@@ -453,7 +510,7 @@ def spec_generate(
                         shifted = torch.cat([anchor[:, None], logits[:, :-1]], dim=1)
                 else:
                     shifted = anchor[:, None]
-                _commit_round(shifted, drafted, tau, None, block, None, None, 0, None)
+                _commit_round(shifted, drafted, tau, None, block, None, None, 0, None, unique, seen)
             # Verify: the verifier's arg-max for every position of the block, in one causal forward.
             new = v_stored < s0
             logits = verifier(
@@ -468,6 +525,9 @@ def spec_generate(
             n_verify += 1
             v_cache.crop(-cl)
             v_stored = s0
+            if unique is not None:  # each column bans what the response holds before the position it predicts
+                before = seen_before(resp[:, :end], unique)
+                logits = ban_repeats(logits, before[:, s0:] if new else before[:, s0 + 1 :], unique)
             top = logits.argmax(-1)
             if new:  # column 0 is the last finished column: it predicts position 0
                 want = top[:, :cl]

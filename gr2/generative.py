@@ -32,7 +32,7 @@ from gr2.decode import ar_generate, diffusion_generate, spec_generate
 from gr2.evidence import Evidence
 from gr2.inference import CONFIG_FILE, DECODERS, ITEMS_FILE, RankRequest, RankResult, register_reranker
 from gr2.model import load_model, save_model
-from gr2.prompt import encode_prompt, parse_response
+from gr2.prompt import answer_label_token, encode_prompt, parse_response
 from gr2.sid import SemanticIds
 from gr2.tokenizer import load_tokenizer
 
@@ -75,7 +75,13 @@ class GenerativeReranker:
         self.block_size = int(config.get("block_size", 0))
         self.max_new_tokens = int(config["max_new_tokens"])
         self.batch_size = int(config.get("batch_size", 32))
-        self.item_tokens = str(config.get("prompt", {}).get("item_tokens", "all"))  # bundles before it: "all"
+        prompt = config.get("prompt", {})
+        self.item_tokens = str(prompt.get("item_tokens", "all"))  # bundles before it: "all"
+        # The answer labels every decoder writes at most once (bundles before it: no such rule).
+        self.unique = None
+        if prompt.get("unique_labels", False):
+            labels = [answer_label_token(i) for i in range(int(prompt.get("max_labels", 26)))]
+            self.unique = torch.tensor(tokenizer.convert_tokens_to_ids(labels), dtype=torch.long)
 
     @property
     def decoders(self) -> tuple[str, ...]:
@@ -179,7 +185,7 @@ class GenerativeReranker:
             chunk = prompts[b0 : b0 + bs]
             t0 = time.perf_counter()
             if decoder == "ar":
-                toks, n = ar_generate(self.model, chunk, self.max_new_tokens, eos)
+                toks, n = ar_generate(self.model, chunk, self.max_new_tokens, eos, unique=self.unique)
             elif decoder == "spec":
                 toks, n, n_verify = spec_generate(
                     self.model,
@@ -190,6 +196,7 @@ class GenerativeReranker:
                     tau,
                     self.tokenizer.mask_token_id,
                     eos,
+                    unique=self.unique,
                 )
                 verifier_nfe += n_verify
             else:
@@ -201,6 +208,7 @@ class GenerativeReranker:
                     tau,
                     self.tokenizer.mask_token_id,
                     eos,
+                    unique=self.unique,
                 )
             seconds += time.perf_counter() - t0
             nfe += n

@@ -33,7 +33,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from gr2.decode import ar_generate, diffusion_generate, left_pad, threshold_commits
+from gr2.decode import ar_generate, ban_repeats, diffusion_generate, left_pad, threshold_commits
 from gr2.losses import Batch, certainty_entropy, diffusion_logits, sample_masks
 from gr2.model import block_causal_mask, position_ids_for
 
@@ -148,13 +148,14 @@ def sample_ar(
     eos_id: int,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    unique: torch.Tensor | None = None,
 ) -> Rollouts:
     """AR sampling: `ar_generate` (KV cache) with `_pick` as the token choice; temperature 0 = greedy."""
     dev = _dev(model)
     ids, pad_lens = left_pad(prompts, _pad(model), dev)
     lps = torch.zeros(len(prompts), max_new_tokens, device=dev)
     pick = partial(_pick, temperature=temperature, gen=generator)
-    tokens, nfe = ar_generate(model, prompts, max_new_tokens, eos_id, pick=pick, logprobs=lps)
+    tokens, nfe = ar_generate(model, prompts, max_new_tokens, eos_id, pick=pick, logprobs=lps, unique=unique)
     # AR decodes every column up to its row's first eos, column t at step t; later columns are eos filler.
     decoded = scored_positions(tokens, torch.zeros_like(tokens), eos_id)
     traj = torch.where(decoded, torch.arange(max_new_tokens, device=dev).expand_as(tokens), -1)
@@ -182,6 +183,7 @@ def sample_diffusion(
     eos_id: int,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    unique: torch.Tensor | None = None,
 ) -> Rollouts:
     """Block-diffusion sampling: `diffusion_generate` (cached: same rounds, anchors, nfe and trajectory) with
     `sample_commits` as the commit rule. temperature 0 reproduces `diffusion_generate` exactly."""
@@ -190,7 +192,16 @@ def sample_diffusion(
     lps = torch.zeros(len(prompts), max_new_tokens, device=dev)
     commit_fn = partial(sample_commits, temperature=temperature, gen=generator)
     tokens, nfe, traj = diffusion_generate(
-        model, prompts, max_new_tokens, block_size, tau, mask_id, eos_id, commit_fn=commit_fn, logprobs=lps
+        model,
+        prompts,
+        max_new_tokens,
+        block_size,
+        tau,
+        mask_id,
+        eos_id,
+        commit_fn=commit_fn,
+        logprobs=lps,
+        unique=unique,
     )
     return Rollouts(ids, pad_lens, tokens, traj, lps, nfe)
 
@@ -205,14 +216,16 @@ def sample(
     tau: float = 0.9,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    unique: torch.Tensor | None = None,
 ) -> Rollouts:
-    """The model's own decoder, sampling: AR for block_size 0, block diffusion otherwise."""
+    """The model's own decoder, sampling: AR for block_size 0, block diffusion otherwise. unique: the tokens
+    written at most once per row (gr2/decode.py); `policy_logits` must then replay with the same."""
     if block_size <= 0:
-        return sample_ar(model, prompts, max_new_tokens, eos_id, temperature, generator)
+        return sample_ar(model, prompts, max_new_tokens, eos_id, temperature, generator, unique)
     if mask_id is None:
         raise ValueError("block diffusion sampling needs mask_id")
     return sample_diffusion(
-        model, prompts, max_new_tokens, block_size, tau, mask_id, eos_id, temperature, generator
+        model, prompts, max_new_tokens, block_size, tau, mask_id, eos_id, temperature, generator, unique
     )
 
 
@@ -278,11 +291,35 @@ def replay_mask(
 
 
 def policy_logits(
-    model: torch.nn.Module, batch: RolloutBatch, block_size: int, mask_id: int | None = None
+    model: torch.nn.Module,
+    batch: RolloutBatch,
+    block_size: int,
+    mask_id: int | None = None,
+    unique: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits [B, R, V] the policy assigned to each response token when it was generated (R = batch.resp_len).
 
-    block_size 0 (AR): one causal forward. Otherwise trajectory replay (module docstring), one forward."""
+    block_size 0 (AR): one causal forward. Otherwise trajectory replay (module docstring), one forward.
+    unique: the rollouts were sampled with it; each token's logits then ban what was committed before it."""
+    logits = _replay_logits(model, batch, block_size, mask_id)
+    if unique is None:
+        return logits
+    return ban_repeats(
+        logits, committed_before(batch.input_ids[:, batch.prompt_len :], batch.traj, unique), unique
+    )
+
+
+def committed_before(tokens: torch.Tensor, traj: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:
+    """[B, R, K]: whether unique[k] was committed in an earlier round than token j (traj: commit rounds, AR:
+    columns; -1 = never decoded), i.e. what the decoder banned when it chose token j."""
+    hit = ((tokens[:, :, None] == unique) & (traj >= 0)[:, :, None]).float()  # [B, i, K]
+    earlier = (traj[:, None, :] < traj[:, :, None]).float()  # [B, j, i]
+    return torch.bmm(earlier, hit) > 0
+
+
+def _replay_logits(
+    model: torch.nn.Module, batch: RolloutBatch, block_size: int, mask_id: int | None
+) -> torch.Tensor:
     P, R = batch.prompt_len, batch.resp_len
     ids, pad_lens = batch.input_ids, batch.pad_lens
     dev = ids.device
@@ -405,6 +442,7 @@ def grpo_loss(
     clip_eps_high: float | None = None,
     certainty_weight: float = 0.0,
     eos_id: int | None = None,
+    unique: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """The RL loss of a rollout batch: replayed (or AR) log-probs -> clipped surrogate, plus
     certainty_weight * `rollout_certainty` (block diffusion only; its noise is seeded by the step, so a resumed
@@ -418,7 +456,7 @@ def grpo_loss(
         loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
         stats = {"clip_frac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0}
     else:
-        logits = policy_logits(model, batch, block_size, mask_id)
+        logits = policy_logits(model, batch, block_size, mask_id, unique)
         lp = token_logprobs(logits, batch.input_ids[:, batch.prompt_len :], temperature)
         loss, stats = clipped_surrogate(
             lp, batch.old_logprobs, batch.advantages, batch.scored, clip_eps, clip_eps_high

@@ -86,8 +86,22 @@ class RLBatches:
     """batches_fn for RL: G sampled rollouts per prompt, GR2 rewards, group advantages, zero-variance groups
     dropped (if every group is dropped, the batch keeps all rows with advantage 0: a zero-gradient step)."""
 
-    def __init__(self, model, prompts, labels, pre_ranks, tokenizer, n, rc, block_size, max_new_tokens, seed):
+    def __init__(
+        self,
+        model,
+        prompts,
+        labels,
+        pre_ranks,
+        tokenizer,
+        n,
+        rc,
+        block_size,
+        max_new_tokens,
+        seed,
+        unique=None,
+    ):
         self.model, self.prompts, self.labels, self.tok, self.n = model, prompts, labels, tokenizer, n
+        self.unique = unique  # answer labels written at most once (the serving decoders' rule)
         self.pre_ranks = pre_ranks
         self.rc, self.block_size, self.max_new_tokens, self.seed = rc, block_size, max_new_tokens, seed
 
@@ -107,6 +121,7 @@ class RLBatches:
             rc.tau,
             rc.temperature,
             _generator(self.seed, step),
+            self.unique,
         )
         sample_s = time.perf_counter() - t0
         scored = [
@@ -319,8 +334,19 @@ def train_rl(
     prompts, labels, pre_ranks = train_prompts(
         rr, examples, rc.max_prompts, profile.seed, rc.shuffle_candidates
     )
+    # Rollouts decode as the served model does, so RL optimises the rankings it will serve (rr.unique).
     batches = RLBatches(
-        model, prompts, labels, pre_ranks, tok, rr.n_candidates, rc, bs, rr.max_new_tokens, profile.seed
+        model,
+        prompts,
+        labels,
+        pre_ranks,
+        tok,
+        rr.n_candidates,
+        rc,
+        bs,
+        rr.max_new_tokens,
+        profile.seed,
+        rr.unique,
     )
     fn = partial(
         grpo_loss,
@@ -331,6 +357,7 @@ def train_rl(
         clip_eps_high=rc.clip_eps_high,
         certainty_weight=rc.certainty_weight,
         eos_id=tok.eos_token_id,
+        unique=rr.unique,
     )
     res = _run(model, batches, lambda m, b: fn(m, b), _train_cfg(rc, profile.seed), out / "train")
     meta = {

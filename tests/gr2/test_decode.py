@@ -240,3 +240,52 @@ def test_spec_counts_forwards(models):
     hd.remove()
     hv.remove()
     assert nfe == len(d_calls) + len(v_calls) and n_verify == len(v_calls)
+
+
+UNIQUE = torch.arange(5, 24)  # every content token of the toy task, whose answers repeat each one
+
+
+def repeats(tokens: torch.Tensor) -> int:
+    """Content tokens written more than once, summed over rows (up to each row's first eos)."""
+    n = 0
+    for row in tokens.tolist():
+        row = row[: row.index(EOS)] if EOS in row else row
+        body = [t for t in row if 5 <= t < 24]
+        n += len(body) - len(set(body))
+    return n
+
+
+def test_unique_tokens_are_written_once_by_every_decoder(models):
+    """The toy answer echoes its tokens, so unconstrained decoders repeat; with `unique` none does."""
+    ar, diff = models
+    ps = prompts(8)
+    assert repeats(ar_generate(ar, ps, 15, EOS)[0]) > 0
+    assert repeats(diffusion_generate(diff, ps, 15, BS, 0.5, MASK, EOS)[0]) > 0
+    assert repeats(ar_generate(ar, ps, 15, EOS, unique=UNIQUE)[0]) == 0
+    for tau in (1.0, 0.5, 0.0):  # tau 0 commits a whole block per round: same-round collisions
+        assert repeats(diffusion_generate(diff, ps, 15, BS, tau, MASK, EOS, unique=UNIQUE)[0]) == 0
+    assert repeats(spec_generate(diff, ar, ps, 15, BS, 0.9, MASK, EOS, unique=UNIQUE)[0]) == 0
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.5, 0.0])
+def test_unique_keeps_the_equivalences(models, tau):
+    """cache == no cache, block 1 == AR and spec == AR hold with the permutation rule too."""
+    ar, diff = models
+    ps = prompts(8)
+    a, _ = ar_generate(ar, ps, 15, EOS, unique=UNIQUE)
+    assert torch.equal(a, ar_generate(ar, ps, 15, EOS, use_cache=False, unique=UNIQUE)[0])
+    assert torch.equal(a, diffusion_generate(ar, ps, 15, 1, tau, MASK, EOS, unique=UNIQUE)[0])
+    assert torch.equal(a, spec_generate(diff, ar, ps, 15, BS, tau, MASK, EOS, unique=UNIQUE)[0])
+    for bs in (3, 4):
+        d, n1, t1 = diffusion_generate(diff, ps, 15, bs, tau, MASK, EOS, unique=UNIQUE)
+        e, _, t2 = diffusion_generate(diff, ps, 15, bs, tau, MASK, EOS, use_cache=False, unique=UNIQUE)
+        assert torch.equal(d, e) and torch.equal(t1, t2)
+
+
+def test_one_of_each_keeps_the_most_confident():
+    commit = torch.tensor([[True, True, True, True, False]])
+    pred = torch.tensor([[7, 7, 9, 7, 7]])
+    conf = torch.tensor([[0.5, 0.9, 0.4, 0.9, 1.0]])
+    unique = torch.tensor([7, 8])
+    # 7 at columns 0, 1, 3: column 1 wins (0.9, leftmost of the tie); 9 is not unique; column 4 is not committed
+    assert dec.one_of_each(commit, pred, conf, unique).tolist() == [[False, True, True, False, False]]

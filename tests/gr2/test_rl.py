@@ -209,3 +209,26 @@ def test_certainty_forcing_through_rl():
         assert term().item() < before.item()
     with pytest.raises(ValueError, match="certainty forcing needs"):
         grpo_loss(diff, batch, 0, None, 1.0, certainty_weight=0.5, eos_id=EOS)
+
+
+def test_replay_with_unique_tokens_matches_the_constrained_sampler():
+    """Rollouts sampled with `unique` (each content token at most once) replay to the sampler's log-probs only
+    when the replay bans what was committed before each token; without the ban they do not."""
+    unique = torch.arange(5, 24)
+    g = torch.Generator().manual_seed(0)
+    diff = convert_to_diffusion(peaky_model(3.0), BS, MASK)
+    ar = peaky_model(3.0)
+    for model, bs in ((diff, BS), (ar, 0)):
+        if bs:
+            ro = sample_diffusion(model, prompts(), 16, bs, 0.1, MASK, EOS, generator=g, unique=unique)
+        else:
+            ro = sample_ar(model, prompts(), 16, EOS, generator=g, unique=unique)
+        batch = rollout_batch(ro, EOS)
+        resp = batch.input_ids[:, batch.prompt_len :]
+        for row, ok in zip(resp.tolist(), batch.scored.tolist(), strict=True):
+            body = [t for t, s in zip(row, ok, strict=True) if s and 5 <= t < 24]
+            assert len(body) == len(set(body))
+        lp = token_logprobs(policy_logits(model, batch, bs, MASK, unique), resp)
+        assert (lp - batch.old_logprobs)[batch.scored].abs().max() < 1e-4
+        free = token_logprobs(policy_logits(model, batch, bs, MASK), resp)
+        assert (free - batch.old_logprobs)[batch.scored].abs().max() > 1e-3

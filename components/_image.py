@@ -6,7 +6,7 @@ import os
 
 BASE_IMAGE = os.environ.get("GR2_IMAGE", "ghcr.io/diffusion-gr2/gr2:latest")
 # Components import gr2/feast/GX inside their bodies; the image has the project installed from the lock file,
-# so nothing is pip-installed at run time (air-gapped clusters, STACK.md A.1).
+# so nothing is pip-installed at run time (air-gapped clusters, docs/DEPENDENCIES.md).
 COMPONENT_KWARGS = {"base_image": BASE_IMAGE, "packages_to_install": [], "install_kfp_package": False}
 
 # GPU steps (training, decoding) run the CUDA image built from images/Dockerfile.train-gpu, same lock, same tag.

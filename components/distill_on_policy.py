@@ -1,4 +1,4 @@
-"""KFP component: on-policy distillation (PAPER 3.3): the student's own rollouts, scored by the frozen AR teacher."""
+"""KFP component: on-policy distillation (docs/PAPER.md, OPD): the student's own rollouts, scored by the frozen AR teacher."""
 
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output

@@ -1,4 +1,4 @@
-"""KFP component: GRPO/DAPO with the GR2 reward (GR2 stage 3 for the AR teacher; PAPER 3.4 for the student)."""
+"""KFP component: GRPO/DAPO with the GR2 reward (GR2 stage 3 for the AR teacher; docs/PAPER.md, RL)."""
 
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output

@@ -1,4 +1,4 @@
-"""Feature views over the parquet sources written by the ingest step (components/_lib/ingest_io.py).
+"""Feature views over the parquet sources written by the ingest step (components/_lib/sources.py).
 
 `user_history`: one row per interaction, stamped with `gr2.data.event_times`, holding the last H item ids up
 to and including that interaction. A point-in-time lookup at (target event time - 1 s) therefore returns

@@ -1,7 +1,7 @@
 """Attach the retriever's natural top-N to every target and keep the retrieval-hit examples.
 
 The list is never edited: the target is not inserted when the retriever missed it (an inserted item is
-identifiable by position and features, DESIGN.md). Training examples are scored with their own target
+identifiable by position and features: docs/CONTRACTS.md, Candidates). Training examples are scored with their own target
 interaction subtracted, and every example excludes everything the user consumed before the target.
 """
 

@@ -180,13 +180,14 @@ class EvalConfig:
     speed_batch_examples: int = 128  # lists decoded at speed_batch
     threads: int = 2  # torch threads while timing (the same for every decoder)
     # Every speed plan runs this many times, interleaved (AR, then each diffusion plan, then again); a row's
-    # tokens/s and speedup are the medians over the repeats (one pass moved the batch-1 ratio by ~10%).
+    # tokens/s and speedup are the medians over the repeats: one pass is too noisy to gate on (README, "Where it
+    # stands", has the timing spread).
     speed_repeats: int = 5
 
 
 @dataclass(frozen=True)
 class OPDConfig:
-    """On-policy distillation (PAPER 3.3): student rollouts scored by the frozen AR teacher.
+    """On-policy distillation (docs/PAPER.md, OPD): student rollouts scored by the frozen AR teacher.
 
     Optimiser settings are flat (not a nested TrainConfig) so dotted overrides like opd.lr keep the defaults."""
 
@@ -196,7 +197,7 @@ class OPDConfig:
     temperature: float = 1.0  # rollout sampling temperature (on-policy: 1.0)
     tau: float = 0.9  # commit threshold of the rollout decoder
     max_prompts: int = 2000  # training lists the prompts are drawn from (0 = all)
-    lr: float = 5e-5  # constant (PAPER: 1e-6 for an 8B model; scaled for the tiny CPU models; 3e-4 diverged)
+    lr: float = 5e-5  # constant; the paper's 8B value (docs/PAPER.md, OPD) scaled up for the tiny CPU models
     steps: int = 30
     grad_clip: float = 1.0
     checkpoint_every: int = 10
@@ -207,7 +208,7 @@ class OPDConfig:
 
 @dataclass(frozen=True)
 class RLConfig:
-    """GRPO/DAPO (PAPER 3.4, GR2 stage 3); one implementation for the AR teacher and the diffusion student."""
+    """GRPO/DAPO (docs/PAPER.md, RL; GR2 stage 3); one implementation for the AR teacher and the diffusion student."""
 
     group_size: int = 8  # G rollouts per prompt
     prompts_per_step: int = 8
@@ -219,12 +220,12 @@ class RLConfig:
     max_prompts: int = 2000  # training lists the prompts are drawn from (0 = all)
     # Show each RL prompt's candidates in a seeded random order (each keeps its own evidence, retriever_rank
     # included; the reward still measures promotion against the retriever order). In retriever order, letter A
-    # is the retriever's first candidate, and AR RL learned to put A on top far more often than SFT did (40% ->
-    # 60% of validation lists), a prior that helps or hurts with the split's share of lists whose held-out item
-    # is first (the GR2 TR's "position-bias hacking"). Shuffled, the letter carries no position. Off in the
-    # bench profile: it removed the drift but did not make `ar` beat `ar_sft` on test (README).
+    # is the retriever's first candidate, and AR RL learned to put A on top far more often than SFT did, a prior
+    # that helps or hurts with the split's share of lists whose held-out item is first (the GR2 TR's
+    # "position-bias hacking"). Shuffled, the letter carries no position. Off in the bench profile: it removed
+    # the drift but did not make `ar` beat `ar_sft` on test (README, "AR RL", has the measurements).
     shuffle_candidates: bool = False
-    lr: float = 1e-5  # constant (PAPER: 5e-7 for 600 steps on an 8B model; scaled for the tiny models)
+    lr: float = 1e-5  # constant; the paper's 8B value (docs/PAPER.md, RL) scaled up for the tiny models
     steps: int = 30
     grad_clip: float = 1.0
     checkpoint_every: int = 10

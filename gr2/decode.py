@@ -1,4 +1,4 @@
-"""The decoders: AR with a KV cache, threshold-commit block diffusion (PAPER 3.5), and lossless speculative
+"""The decoders: AR with a KV cache, threshold-commit block diffusion (docs/PAPER.md), and lossless speculative
 decoding (a block-diffusion draft checked by the AR model). Each returns nfe.
 
 Straight functions in the style of LLaDA / Fast-dLLM `generate.py`: `ar_generate`, `diffusion_generate` (KV cache),
@@ -174,7 +174,7 @@ def ar_generate(
 
 
 def threshold_commits(conf: torch.Tensor, masked: torch.Tensor, tau: float) -> torch.Tensor:
-    """The commit rule (PAPER 3.5) on confidences [B, C]: every masked position with conf >= tau, plus the single
+    """The commit rule (docs/PAPER.md) on confidences [B, C]: every masked position with conf >= tau, plus the single
     most confident masked one (progress even when nothing clears tau). Rows with nothing masked commit nothing."""
     conf = conf.masked_fill(~masked, -1.0)  # real confidences are >= 0, so the arg-max is a masked position
     forced = torch.zeros_like(masked).scatter_(1, conf.argmax(-1, keepdim=True), True)

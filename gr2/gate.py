@@ -1,6 +1,6 @@
-"""The evaluation gate (DESIGN.md, "Evaluation gate and rollout"): pure logic, no I/O.
+"""The evaluation gate (docs/CONTRACTS.md, "Evaluation gate and rollout"): pure logic, no I/O.
 
-Inputs: the report rows (CONTRACTS.md report row), the candidate model's name, the data-validation result,
+Inputs: the report rows (docs/CONTRACTS.md report row), the candidate model's name, the data-validation result,
 the production model's record (None when nothing is in production) and a `GateConfig`. Output: `passed`
 plus one human-readable reason per rule, so the decision can be read in the report and the KFP UI.
 

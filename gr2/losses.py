@@ -265,7 +265,7 @@ def masked_diffusion_loss(
     weighting: str = "inv_t",
     certainty_weight: float = 0.0,
 ) -> torch.Tensor:
-    """CFT objective (PAPER 3.2): block masked diffusion with complementary masks, 1/t weighting, answer/trace
+    """CFT objective (docs/PAPER.md, CFT): block masked diffusion with complementary masks, 1/t weighting, answer/trace
     weights, block-causal attention and the AR token shift, plus optional certainty forcing (`_masked_ce`).
     `batch` must be collated with this block_size."""
     if batch.resp_len % block_size:

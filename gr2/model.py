@@ -2,7 +2,7 @@
 block-diffusion path.
 
 AR and block-diffusion models are the same `LlamaForCausalLM`: conversion copies the weights unchanged and only
-records `gr2_block_size` and `mask_token_id` in the config (PAPER 3.1). What changes is the attention mask that
+records `gr2_block_size` and `mask_token_id` in the config (docs/PAPER.md, Conversion). What changes is the attention mask that
 training and decoding pass in (`block_causal_mask`) and the AR token shift (the token at position i is read off
 the logits at position i-1), which keeps the AR next-token head meaning the same thing after conversion.
 
@@ -10,7 +10,8 @@ Layout convention (everywhere in gr2): prompts are LEFT-padded to a common width
 column P; responses are right-padded. `pad_lens[b]` = number of left-pad columns of row b. Position ids are
 `column - pad_lens[b]`, so a row's real tokens get the same positions with or without padding.
 
-The attention implementation is pinned to "sdpa": it honours a 4D boolean mask; "eager" does not (STACK.md).
+The attention implementation is pinned to "sdpa": it honours a 4D boolean mask; "eager" does not
+(docs/DEPENDENCIES.md).
 
 Pretrained backbones (`load_pretrained`, ModelConfig.pretrained): any transformers causal LM whose decoder is
 `model.model` with head `model.lm_head` (Llama, Qwen2, SmolLM, ...). The project's tokenizer is a closed
@@ -207,7 +208,7 @@ def n_params(model: torch.nn.Module) -> int:
 
 
 def convert_to_diffusion(model: LlamaForCausalLM, block_size: int, mask_id: int) -> LlamaForCausalLM:
-    """AR -> block diffusion (PAPER 3.1): an exact copy of every tensor; only the config changes.
+    """AR -> block diffusion (docs/PAPER.md, Conversion): an exact copy of every tensor; only the config changes.
 
     Block-causal attention and the token shift are applied by the callers (losses, decoder), driven by
     `config.gr2_block_size`; no weights are added, so the naive converted model is the AR model.

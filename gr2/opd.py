@@ -1,4 +1,4 @@
-"""On-policy distillation (PAPER 3.3): the diffusion student learns from the AR teacher on its OWN rollouts.
+"""On-policy distillation (docs/PAPER.md, OPD): the diffusion student learns from the AR teacher on its OWN rollouts.
 
 1. The student samples G' rollouts per prompt with its real block-diffusion decoder (`gr2.rl.sample`).
 2. The frozen AR teacher scores exactly those tokens once per trajectory (one causal forward, no grad); its

@@ -8,7 +8,7 @@ already consumed are excluded; when fewer than N items score > 0 the list is fil
 votes the tie-break uses the full training popularity; in the fill an own target counts one less).
 
 A training example's own target interaction is inside C and the popularity counts; `own_target` subtracts
-it (DESIGN.md: otherwise training lists are easier than test lists). The pairs it contributes to C[h, t]
+it (docs/CONTRACTS.md, Candidates: otherwise training lists are easier than test lists). The pairs it contributes to C[h, t]
 are those with the history items at most `window` positions before it, so the correction is computable
 from the history alone. Pairs with the same user's *later* training items are not subtracted (the
 retriever does not see the future of a request), which only matters for repeat consumption.

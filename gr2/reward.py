@@ -1,4 +1,4 @@
-"""The GR2 re-ranking reward (PAPER 3.0 / 3.4): rank promotion of the held-out item plus a conditional format bonus.
+"""The GR2 re-ranking reward (docs/PAPER.md): rank promotion of the held-out item plus a conditional format bonus.
 
     R = R_rank + alpha * R_fmt,   R_rank = (rank_before - rank_after) / N  in [-1, 1]
 

@@ -1,4 +1,4 @@
-"""GRPO/DAPO for both decoders (PAPER 3.4, GR2 stage 3): sampled rollouts, trajectory replay, clipped surrogate.
+"""GRPO/DAPO for both decoders (docs/PAPER.md, RL; GR2 stage 3): sampled rollouts, trajectory replay, clipped surrogate.
 
 One implementation; only the policy log-probability differs by decoder:
 - AR (block_size 0): token log-probs under causal attention (one forward over prompt + response).

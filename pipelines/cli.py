@@ -238,7 +238,7 @@ def gate(
         "", help='production record as JSON ("null" = nothing in production; default: the artifact store)'
     ),
 ) -> None:
-    """Decide promotion with the DESIGN.md rules; prints the reasons, exits 1 when the gate fails."""
+    """Decide promotion with the gate rules (docs/CONTRACTS.md); prints the reasons, exits 1 when the gate fails."""
     from components.artifact_store import production_record
     from gr2.gate import run_gate
 

@@ -5,7 +5,7 @@ The endpoint comes from flags or env: KFP_HOST (e.g. http://localhost:8080 after
 `kubectl -n kubeflow port-forward svc/ml-pipeline-ui 8080:80`), KFP_TOKEN (a bearer token, for clusters behind
 auth), KFP_NAMESPACE (multi-user Kubeflow: the profile namespace).
 
-KFP behaviours handled here (STACK.md part 2 A.6-7):
+KFP behaviours handled here (kfp 2.17; docs/DEPENDENCIES.md):
 - `Client.upload_pipeline` creates the pipeline *and* a first version named after the pipeline (#5881, #13753),
   so that version would not carry a git sha. First upload therefore creates an empty pipeline
   (PipelineService.CreatePipeline), then uploads the sha-named version into it; later uploads add versions.

@@ -45,7 +45,7 @@ def _model_stages(
     nodes,
     gpus,
 ) -> None:
-    """Model stages on validated examples (PAPER section 4's stage table): floor/ltr; the AR teacher = SFT
+    """Model stages on validated examples (the stage table, docs/PAPER.md): floor/ltr; the AR teacher = SFT
     (`ar_sft`) + RL (`ar`), and its no-trace ablation; conversion (`naive`) + CFT from the final teacher; OPD
     from that teacher; RL of the student (`rl`, the deployable model); the table with speed; the gate; and
     (only if the gate passes) the canary deployment of the RL student, then (only if its canary runs) the

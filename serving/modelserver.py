@@ -1,6 +1,6 @@
 """Starting a kserve ModelServer our way: a chosen bind host, and the servers' edge.
 
-kserve 0.21 hard-codes host="0.0.0.0" in RESTServer (STACK.md §3); locally and in tests we bind 127.0.0.1 by
+kserve 0.21 hard-codes host="0.0.0.0" in RESTServer (docs/DEPENDENCIES.md); locally and in tests we bind 127.0.0.1 by
 forcing uvicorn.Config's host. In front of kserve sits `RequestGuardMiddleware`: model control off unless
 asked for, body size / time limits, and the whole request validated (serving/schema.py) before kserve decodes
 it or a model looks anything up. Behind it, a model's `BadRequest` (4xx) or `UpstreamError` (502/503/504) is

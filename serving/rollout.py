@@ -1,4 +1,4 @@
-"""Canary rollout of a gated model (DESIGN.md "Evaluation gate and rollout", STACK.md B.4).
+"""Canary rollout of a gated model (docs/CONTRACTS.md "Evaluation gate and rollout"; docs/DEPENDENCIES.md).
 
     upload model -> render the overlay with the real kustomize (manifests/kustomize.py; STORAGE_URI = the
     upload's URI, canaryTrafficPercent = N, the serving image optionally pinned) -> server-side apply every

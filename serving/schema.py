@@ -386,5 +386,5 @@ def reply(payload: Any, model_name: str, predictions: list[dict[str, Any]]) -> d
     return InferResponse(
         model_name=model_name,
         infer_outputs=[InferOutput(name=OUTPUT, shape=[len(data)], datatype="BYTES", data=data)],
-        response_id=payload.id or str(uuid.uuid4()),  # kserve 500s on a None id (STACK.md §3)
+        response_id=payload.id or str(uuid.uuid4()),  # kserve 500s on a None id (docs/DEPENDENCIES.md)
     )

@@ -143,10 +143,11 @@ def historical_targets(
     ent = target_entities(interactions, eval_positions)
     refs = service_refs(store, service, entity="user")
     # Only the join keys and the lookup time go to Feast: every extra entity column is carried through
-    # each candidate pair of the point-in-time join (measured: 42 s -> 30 s on ML-100k).
+    # each candidate pair of the point-in-time join, which slows it down.
     keys = ent[["user_id", "event_timestamp"]]
     got = store.get_historical_features(entity_df=keys, features=refs).to_df()
-    if len(got) != len(ent):  # the `file` offline store drops rows (STACK.md 4); refuse silently short data
+    # the `file` offline store drops rows (docs/DEPENDENCIES.md): refuse silently short data
+    if len(got) != len(ent):
         raise RuntimeError(f"point-in-time join returned {len(got)} rows for {len(ent)} entity rows")
     got["event_timestamp"] = pd.to_datetime(got["event_timestamp"], utc=True).astype("datetime64[ns, UTC]")
     ent["event_timestamp"] = ent["event_timestamp"].astype("datetime64[ns, UTC]")

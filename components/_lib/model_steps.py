@@ -3,8 +3,8 @@
 prepare_sft:   sources + examples -> sft_data/ (evidence, semantic IDs, tokenizer, teacher, SFT records)
 train_ar:      sft_data -> AR teacher bundle (GR2 SFT), variant "trace" or "ar_no_trace"
 convert_cft:   AR bundle + sft_data -> naive converted bundle, CFT bundle
-rl:            AR or diffusion bundle + sft_data + examples -> the bundle after GRPO (GR2 stage 3 / PAPER 3.4)
-distill:       diffusion student + AR teacher bundles -> the student after on-policy distillation (PAPER 3.3)
+rl:            AR or diffusion bundle + sft_data + examples -> the bundle after GRPO (docs/PAPER.md, RL)
+distill:       diffusion student + AR teacher bundles -> the student after on-policy distillation (docs/PAPER.md, OPD)
 evaluate:      examples + bundles + the floor report -> the full report (rows, speed, plots)
 """
 

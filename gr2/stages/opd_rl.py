@@ -1,4 +1,4 @@
-"""On-policy stages on the shared training loop: OPD (PAPER 3.3) and RL (PAPER 3.4; GR2 stage 3 for the AR teacher).
+"""On-policy stages on the shared training loop: OPD and RL (docs/PAPER.md; RL is GR2 stage 3 for the AR teacher).
 
 Both reuse `gr2.train.train` unchanged: each step's batch is a FRESH set of rollouts sampled from the current
 model by `batches_fn(step)` (a `RolloutBatch`, i.e. a `Batch` plus trajectories, old log-probs, advantages or

@@ -95,7 +95,7 @@ def train_ar_teacher(data: SFTData, profile: Profile, out_dir: str | Path, varia
 
 
 def convert(ar_bundle: str | Path, block_size: int, out_dir: str | Path, name: str = "naive") -> Path:
-    """Naive conversion (PAPER 3.1): copy every AR weight unchanged; only block size and mask token change."""
+    """Naive conversion (docs/PAPER.md, Conversion): copy every AR weight unchanged; only block size and mask token change."""
     model, tok, sids, ev, cfg = load_bundle_parts(ar_bundle)
     student = convert_to_diffusion(model, block_size, tok.mask_token_id)
     meta = {**cfg, "name": name, "stage": "convert", "parent": str(ar_bundle)}
@@ -159,7 +159,7 @@ def teacher_records(
 
 
 def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir: str | Path) -> Path:
-    """Conversion fine-tuning: the masked-diffusion objective inside blocks (PAPER 3.2) on the SFT prompts, with
+    """Conversion fine-tuning: the masked-diffusion objective inside blocks (docs/PAPER.md, CFT) on the SFT prompts, with
     the AR teacher's greedy responses as targets (diffusion.cft_targets "teacher", `teacher_records`) or the
     SFT responses ("sft").
 

@@ -29,9 +29,9 @@ import torch
 from gr2.config import Profile, TrainConfig
 from gr2.generative import GenerativeReranker, load_bundle_parts, load_verifier
 from gr2.model import add_lora
-from gr2.opd import kl_per_token, make_opd_batch, opd_loss, sequence_mean
+from gr2.opd import make_opd_batch, opd_loss
 from gr2.reward import response_reward
-from gr2.rl import RolloutBatch, group_advantages, grpo_loss, policy_logits, rollout_batch, sample
+from gr2.rl import RolloutBatch, group_advantages, grpo_loss, rollout_batch, sample
 from gr2.stages.prepare import SFTData
 from gr2.stages.train_stages import write_bundle
 from gr2.train import LOG_FILE, TrainResult, latest_checkpoint, process_state, train, truncate_log
@@ -370,63 +370,3 @@ def train_rl(
     }
     log.info("train_rl (block_size %d): %s", bs, meta["train"])
     return write_bundle(out / "bundle", model, tok, sids, ev, meta, verifier=load_verifier(bundle))
-
-
-# ---------------------------------------------------------------------------------------------- measures
-@torch.no_grad()
-def greedy_reward(
-    rr: GenerativeReranker,
-    prompts: list[list[int]],
-    labels: list[int],
-    decoder: str,
-    tau: float = 0.9,
-    alpha: float = 0.2,
-) -> dict:
-    """Mean GR2 reward, validity and recall@1 of the model's greedy (serving) decoding on given prompts."""
-    out = rr.decode(prompts, decoder, tau)
-    n = rr.n_candidates
-    res = [response_reward(r, y, n, rr.tokenizer, alpha) for r, y in zip(out.responses, labels, strict=True)]
-    top1 = [rr.read_answer(r, n)[0][0] == y for r, y in zip(out.responses, labels, strict=True)]
-    return {
-        "reward": float(np.mean([r for r, _ in res])),
-        "validity": float(np.mean([v for _, v in res])),
-        "recall@1": float(np.mean(top1)),
-    }
-
-
-@torch.no_grad()
-def opd_kl(
-    student: torch.nn.Module,
-    teacher: torch.nn.Module,
-    prompts: list[list[int]],
-    tokenizer,
-    max_new_tokens: int,
-    tau: float = 0.9,
-    rollouts_per_prompt: int = 1,
-    seed: int = 0,
-    batch_size: int = 32,
-) -> dict:
-    """Mean per-token KL (both directions) between the replayed student and the teacher on student rollouts."""
-    bs = int(student.config.gr2_block_size)
-    out: dict[str, list[float]] = {"forward": [], "reverse": []}
-    gen = torch.Generator().manual_seed(seed)
-    for b0 in range(0, len(prompts), batch_size):
-        batch = make_opd_batch(
-            student,
-            teacher,
-            prompts[b0 : b0 + batch_size],
-            rollouts_per_prompt,
-            max_new_tokens,
-            bs,
-            tokenizer.mask_token_id,
-            tokenizer.eos_token_id,
-            tau,
-            1.0,
-            gen,
-        )
-        slp = policy_logits(student, batch, bs, tokenizer.mask_token_id).float().log_softmax(-1)
-        for d in out:
-            kl = kl_per_token(slp, batch.teacher_logprobs, d)
-            out[d].append(float(sequence_mean(kl, batch.scored)) * batch.input_ids.shape[0])
-    n = len(prompts) * rollouts_per_prompt
-    return {f"kl_{d}": sum(v) / n for d, v in out.items()}

@@ -1,5 +1,5 @@
-"""`gr2`: every pipeline step from the command line (the same functions the KFP components call).
-
+"""`gr2`: every pipeline step from the command line (the same functions the KFP components call; the training
+steps go through components/_lib/trainjob.py like the components, `--gpus-per-node N` runs N processes).
 
 gr2 data fetch                       MovieLens-100K into .cache/ (from the recbole wheel)
 gr2 ingest --dataset ml-100k --out runs/x/sources
@@ -10,8 +10,11 @@ gr2 validate --sources ... --table runs/x/examples.parquet --stage examples
 gr2 candidates --sources ... --targets ... --out runs/x/examples.parquet
 gr2 evaluate --sources ... --examples ... --out runs/x/report
 gr2 prepare-sft --sources ... --examples ... --out runs/x/sft_data
-gr2 train-ar --sft-data runs/x/sft_data --out runs/x/ar [--variant trace|ar_no_trace]
+gr2 train-ar --sft-data runs/x/sft_data --out runs/x/ar_sft [--variant trace|ar_no_trace]
+gr2 rl --model runs/x/ar_sft --sft-data ... --examples ... --out runs/x/ar      the AR teacher's RL
 gr2 convert-cft --ar-model runs/x/ar --sft-data ... --naive-out runs/x/naive --out runs/x/cft
+gr2 distill --student runs/x/cft --teacher runs/x/ar --sft-data ... --examples ... --out runs/x/opd
+gr2 rl --model runs/x/opd --sft-data ... --examples ... --out runs/x/rl        the deployable student
 gr2 evaluate-models --examples ... --floor-report runs/x/report --ar runs/x/ar ... --out runs/x/models
 gr2 gate --report runs/x/models --out runs/x/decision --candidate rl@0.9
 gr2 promote --run-id RUN --stage rl   write the production pointer after a passed canary
@@ -46,6 +49,17 @@ app.add_typer(pipeline_app, name="pipeline")
 
 def _echo(obj) -> None:
     typer.echo(json.dumps(obj, indent=2, default=str))
+
+
+_PROCS = typer.Option(1, help="processes (torchrun; GPUs per pod in a cluster's TrainJob), as the DAG's step")
+
+
+def _train_step(step: str, inputs: dict, outputs: dict, params: dict, gpus_per_node: int) -> None:
+    """A training step exactly as its KFP component runs it (trainjob.run_step -> model_steps.<step>)."""
+    from components._lib import trainjob
+
+    ins, outs = ({k: str(v) for k, v in d.items()} for d in (inputs, outputs))  # JSON for torchrun / TrainJob
+    _echo(trainjob.run_step(step, ins, outs, params, 1, gpus_per_node))
 
 
 @data_app.command("fetch")
@@ -177,13 +191,30 @@ def train_ar(
     out: Path = typer.Option(..., help="model folder (bundle/ and train/ inside)"),
     profile: str = typer.Option("quick"),
     variant: str = typer.Option("trace", help="trace (trace + answer) | ar_no_trace (answer only, ablation)"),
+    gpus_per_node: int = _PROCS,
 ) -> None:
     """Train the AR teacher (GR2 SFT); prints the training summary."""
-    from components._lib import model_steps
-
     if variant not in ("trace", "ar_no_trace"):
         raise typer.BadParameter(f"--variant {variant!r}: trace | ar_no_trace")
-    _echo(model_steps.train_ar(sft_data, out, profile, variant))
+    params = {"profile": profile, "variant": variant}
+    _train_step("train_ar", {"sft_dir": sft_data}, {"out_dir": out}, params, gpus_per_node)
+
+
+@app.command()
+def rl(
+    model: Path = typer.Option(
+        ..., help="AR teacher after SFT (`gr2 train-ar`) or OPD student (`gr2 distill`)"
+    ),
+    sft_data: Path = typer.Option(..., help="sft_data folder from `gr2 prepare-sft`"),
+    examples: Path = typer.Option(..., help="examples parquet from `gr2 candidates`"),
+    out: Path = typer.Option(..., help="model folder (bundle/ and train/ inside)"),
+    profile: str = typer.Option("quick"),
+    gpus_per_node: int = _PROCS,
+) -> None:
+    """GRPO/DAPO with the GR2 reward: an AR bundle samples AR (profile.ar_rl), a block-diffusion bundle samples
+    with its own decoder (profile.rl). The DAG runs it twice: the AR teacher and the deployable student."""
+    ins = {"model_dir": model, "sft_dir": sft_data, "examples_path": examples}
+    _train_step("rl", ins, {"out_dir": out}, {"profile": profile}, gpus_per_node)
 
 
 @app.command("convert-cft")
@@ -193,11 +224,27 @@ def convert_cft(
     naive_out: Path = typer.Option(..., help="naive converted bundle (weights copied, no training)"),
     out: Path = typer.Option(..., help="CFT model folder"),
     profile: str = typer.Option("quick"),
+    gpus_per_node: int = _PROCS,
 ) -> None:
     """AR -> block diffusion (weight copy, block-causal attention, token shift), then conversion fine-tuning."""
-    from components._lib import model_steps
+    ins = {"ar_dir": ar_model, "sft_dir": sft_data}
+    outs = {"naive_dir": naive_out, "cft_dir": out}
+    _train_step("convert_cft", ins, outs, {"profile": profile}, gpus_per_node)
 
-    _echo(model_steps.convert_cft(ar_model, sft_data, naive_out, out, profile))
+
+@app.command()
+def distill(
+    student: Path = typer.Option(..., help="CFT student folder from `gr2 convert-cft`"),
+    teacher: Path = typer.Option(..., help="AR teacher folder (SFT + RL, `gr2 rl`)"),
+    sft_data: Path = typer.Option(..., help="sft_data folder from `gr2 prepare-sft`"),
+    examples: Path = typer.Option(..., help="examples parquet from `gr2 candidates`"),
+    out: Path = typer.Option(..., help="model folder (bundle/ and train/ inside)"),
+    profile: str = typer.Option("quick"),
+    gpus_per_node: int = _PROCS,
+) -> None:
+    """On-policy distillation: the student's own rollouts scored by the frozen AR teacher (profile.opd)."""
+    ins = {"student_dir": student, "teacher_dir": teacher, "sft_dir": sft_data, "examples_path": examples}
+    _train_step("distill", ins, {"out_dir": out}, {"profile": profile}, gpus_per_node)
 
 
 @app.command("evaluate-models")
@@ -257,7 +304,7 @@ def promote(
     run_id: str = typer.Option(
         ..., help="the run whose model the canary served (see the deploy plan's storage_uri)"
     ),
-    stage: str = typer.Option("cft", help="the uploaded stage"),
+    stage: str = typer.Option("rl", help="the uploaded stage (the DAG deploys `rl`)"),
     attempt: str = typer.Option(
         "",
         help="the upload attempt the canary served (the last segment of the plan's storage_uri); default: the published one",

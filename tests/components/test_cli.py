@@ -1,10 +1,13 @@
-"""`gr2 validate --dataset`: exit 0 on a good dataset folder, non-zero on corrupted ones."""
+"""`gr2 validate --dataset`: exit 0 on a good dataset folder, non-zero on corrupted ones. The training commands
+run the step their KFP component runs (trainjob.run_step -> model_steps.<step>) with the same arguments."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pandas as pd
+import pytest
 from typer.testing import CliRunner
 
 from pipelines.cli import app
@@ -42,3 +45,80 @@ def test_validate_malformed_dataset_exits_nonzero(tmp_path):
     res = CliRunner().invoke(app, ["validate", "--dataset", str(d)])
     assert res.exit_code == 1
     assert "no-such-item" in res.output
+
+
+EX = "ex.parquet"
+TRAINING_COMMANDS = [
+    (
+        ["train-ar", "--sft-data", "sft", "--out", "ar_nt", "--variant", "ar_no_trace"],
+        "train_ar",
+        {"sft_dir": "sft", "out_dir": "ar_nt", "profile": "quick", "variant": "ar_no_trace"},
+    ),
+    (
+        [
+            "rl",
+            "--model",
+            "ar_sft",
+            "--sft-data",
+            "sft",
+            "--examples",
+            EX,
+            "--out",
+            "ar",
+            "--profile",
+            "bench",
+        ],
+        "rl",
+        {"model_dir": "ar_sft", "sft_dir": "sft", "examples_path": EX, "out_dir": "ar", "profile": "bench"},
+    ),
+    (
+        ["convert-cft", "--ar-model", "ar", "--sft-data", "sft", "--naive-out", "naive", "--out", "cft"],
+        "convert_cft",
+        {"ar_dir": "ar", "sft_dir": "sft", "naive_dir": "naive", "cft_dir": "cft", "profile": "quick"},
+    ),
+    (
+        [
+            "distill",
+            "--student",
+            "cft",
+            "--teacher",
+            "ar",
+            "--sft-data",
+            "sft",
+            "--examples",
+            EX,
+            "--out",
+            "opd",
+        ],
+        "distill",
+        {
+            "student_dir": "cft",
+            "teacher_dir": "ar",
+            "sft_dir": "sft",
+            "examples_path": EX,
+            "out_dir": "opd",
+            "profile": "quick",
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize("argv, step, kwargs", TRAINING_COMMANDS, ids=[c[1] for c in TRAINING_COMMANDS])
+def test_training_commands_run_the_components_step(monkeypatch, argv, step, kwargs):
+    from components._lib import model_steps
+
+    calls = []
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # inline, as `make run` runs the step
+    monkeypatch.setattr(model_steps, step, lambda **kw: calls.append(kw) or {"steps": 3})
+    res = CliRunner().invoke(app, argv)
+    assert res.exit_code == 0, res.output
+    assert calls == [kwargs]
+    assert json.loads(res.output) == {"steps": 3}  # the step's training summary, printed
+
+
+def test_train_ar_rejects_an_unknown_variant(monkeypatch):
+    from components._lib import model_steps
+
+    monkeypatch.setattr(model_steps, "train_ar", lambda **kw: pytest.fail("ran with a bad variant"))
+    res = CliRunner().invoke(app, ["train-ar", "--sft-data", "s", "--out", "o", "--variant", "nope"])
+    assert res.exit_code == 2 and "trace | ar_no_trace" in res.output

@@ -325,6 +325,11 @@ def test_promote_writes_the_pointer_from_the_uploaded_record(tmp_path):
     )
     missing = CliRunner().invoke(app, ["promote", "--run-id", "run-8"], env=env)
     assert missing.exit_code == 2 and store.production()["run_id"] == "run-7"
+    # Without --stage: the stage the DAG deploys (the RL student).
+    store.upload("run-8", "rl", model, metadata={"model": "rl@0.9", "recall@1": 0.33})
+    res = CliRunner().invoke(app, ["promote", "--run-id", "run-8"], env=env)
+    assert res.exit_code == 0, res.output
+    assert (store.production()["run_id"], store.production()["stage"]) == ("run-8", "rl")
 
 
 def test_record_outcome_writes_the_artifact_and_the_store(tmp_path, monkeypatch, capsys):
@@ -369,7 +374,7 @@ def test_cli_exposes_every_step():
         "prepare-sft",
         "train-ar",
     ]
-    steps += ["convert-cft", "evaluate-models", "gate", "promote"]
+    steps += ["rl", "convert-cft", "distill", "evaluate-models", "gate", "promote"]
     for cmd in steps:
         assert cmd in top.output, cmd
         res = CliRunner().invoke(app, [cmd, "--help"])

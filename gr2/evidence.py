@@ -35,7 +35,7 @@ import pandas as pd
 import scipy.sparse as sp
 
 from gr2.config import EvidenceConfig
-from gr2.retriever import _index_sequences, cooccurrence_counts, steps_back
+from gr2.retriever import cooccurrence_counts, index_sequences, steps_back
 
 FEATURE_NAMES = (
     "trans_last",
@@ -109,7 +109,7 @@ class Evidence:
         seqs = list(train_seqs.values())
         ids = sorted(set(items["item_id"]) | {x for s in seqs for x in s})
         index = {x: i for i, x in enumerate(ids)}
-        _, flat = _index_sequences(seqs, index)
+        _, flat = index_sequences(seqs, index)
         pop = np.bincount(flat, minlength=len(ids))
         trans = _top_k(cooccurrence_counts(seqs, index, 1, directed=True), cfg.top_k)
         cooc = _top_k(cooccurrence_counts(seqs, index, cfg.window), cfg.top_k)
@@ -228,7 +228,7 @@ class Evidence:
             B, N
         )
         tgt = np.array([self.index.get(t, -1) if t is not None else -1 for t in own], dtype=np.int64)
-        rows, flat = _index_sequences(histories, self.index)
+        rows, flat = index_sequences(histories, self.index)
         back = steps_back(rows, B)
         w = cfg.decay ** back.astype(np.float64)
         last_item = np.full(B, -1, np.int64)

@@ -71,7 +71,8 @@ def floor_row(examples: pd.DataFrame, n_boot: int = 1000, seed: int = 0) -> dict
     return evaluate(examples, identity_rankings(len(examples), n), None, None, n_boot, seed, model="floor")
 
 
-def _json_default(o):
+def json_default(o):
+    """`json.dumps(default=...)` for report values: numpy scalars and arrays, and paths."""
     if isinstance(o, np.integer):
         return int(o)
     if isinstance(o, np.floating):
@@ -179,7 +180,7 @@ def write_report(run_dir: str | Path, report: dict) -> Path:
     """Write report.json + report.md into run_dir and point `<run_dir>/../latest` at it. Returns run_dir."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
+    (run_dir / "report.json").write_text(json.dumps(report, indent=1, default=json_default))
     plots = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*.png"))
     (run_dir / "report.md").write_text(render_markdown(report, report.get("plots") or plots))
     latest = run_dir.parent / "latest"

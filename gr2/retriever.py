@@ -26,9 +26,7 @@ from gr2.config import RetrieverConfig
 _ROUND = 9  # scores are rounded so equal vote sums tie exactly whatever the summation order
 
 
-def _index_sequences(
-    seqs: Sequence[Sequence[str]], index: Mapping[str, int]
-) -> tuple[np.ndarray, np.ndarray]:
+def index_sequences(seqs: Sequence[Sequence[str]], index: Mapping[str, int]) -> tuple[np.ndarray, np.ndarray]:
     """Flatten sequences to (row, item_idx) arrays in order; unknown items get -1."""
     lens = np.fromiter((len(s) for s in seqs), np.int64, len(seqs))
     flat = np.fromiter((index.get(x, -1) for s in seqs for x in s), np.int64, int(lens.sum()))
@@ -48,7 +46,7 @@ def cooccurrence_counts(
 
     directed=False counts both (a, b) and (b, a) (co-occurrence); directed=True counts only earlier -> later.
     """
-    rows, flat = _index_sequences(seqs, index)
+    rows, flat = index_sequences(seqs, index)
     src, dst = [], []
     for d in range(1, window + 1):
         same = (rows[d:] == rows[:-d]) & (flat[d:] >= 0) & (flat[:-d] >= 0)
@@ -80,7 +78,7 @@ class CoocRetriever:
         """Fit on user -> training items (positions 0..n-3); `item_ids` is the catalog to retrieve from."""
         ids = np.asarray(sorted(set(item_ids)), dtype=object)
         pos = {x: i for i, x in enumerate(ids)}
-        _, flat = _index_sequences(list(train_seqs.values()), pos)
+        _, flat = index_sequences(list(train_seqs.values()), pos)
         pop = np.bincount(flat[flat >= 0], minlength=len(ids)).astype(np.int64)
         # Internal index = tie-break order (popularity desc, then id asc): a stable sort by score then
         # returns ties in that order.
@@ -92,7 +90,7 @@ class CoocRetriever:
         self.train_seqs = dict(train_seqs)
         # First training position of each (user, item): "consumed before position p" lookups.
         self._user_index = {u: i for i, u in enumerate(self.train_seqs)}
-        urows, uflat = _index_sequences(list(self.train_seqs.values()), self.index)
+        urows, uflat = index_sequences(list(self.train_seqs.values()), self.index)
         first_pos = np.arange(len(urows)) - np.searchsorted(urows, urows)
         keys = urows * len(self.items) + uflat
         self._first_keys, first = np.unique(keys[uflat >= 0], return_index=True)
@@ -102,7 +100,7 @@ class CoocRetriever:
     # ------------------------------------------------------------------ scoring
     def _query(self, histories: Sequence[Sequence[str]]) -> tuple[sp.csr_matrix, np.ndarray, np.ndarray]:
         """Sparse [B, I] vote weights of the `recent` newest known items, plus the slot arrays."""
-        rows, flat = _index_sequences(histories, self.index)
+        rows, flat = index_sequences(histories, self.index)
         back = steps_back(rows, len(histories))
         keep = (back < self.config.recent) & (flat >= 0)
         w = self.config.decay ** back[keep].astype(np.float64)
@@ -150,7 +148,7 @@ class CoocRetriever:
         q, rows, flat = self._query(histories)
         corr = self._own_correction(histories, own, rows, flat)
         tgt = np.array([self.index.get(t, -1) if t is not None else -1 for t in own], dtype=np.int64)
-        ex_rows, ex_flat = _index_sequences(excludes if excludes is not None else histories, self.index)
+        ex_rows, ex_flat = index_sequences(excludes if excludes is not None else histories, self.index)
         ok = ex_flat >= 0
         ctx = {"ex_keys": np.unique(ex_rows[ok] * n_items + ex_flat[ok])}
         if users is not None and positions is not None:

@@ -16,13 +16,13 @@ from gr2.metrics import METRICS
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
     """Add git_sha / machine, then write report.json and report.md into `out_dir`."""
-    from gr2.report import _json_default, git_sha, machine_info, render_markdown
+    from gr2.report import git_sha, json_default, machine_info, render_markdown
 
     report.setdefault("git_sha", git_sha())
     report.setdefault("machine", machine_info())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=json_default))
     (out / "report.md").write_text(render_markdown(report))
     return out
 

@@ -22,8 +22,8 @@ import scipy.stats
 import torch
 
 from gr2.config import EvalConfig, Profile
-from gr2.generative import GenerativeReranker, _load_generative
-from gr2.inference import read_config
+from gr2.generative import GenerativeReranker
+from gr2.inference import load_reranker
 from gr2.metrics import evaluate
 from gr2.stages.prepare import SFTData, list_features
 
@@ -31,7 +31,11 @@ log = logging.getLogger(__name__)
 
 
 def load(bundle: str | Path) -> GenerativeReranker:
-    return _load_generative(Path(bundle), read_config(bundle))
+    """A generative bundle through the reranker registry (`load_reranker`), as serving loads it."""
+    rr = load_reranker(bundle)
+    if not isinstance(rr, GenerativeReranker):
+        raise ValueError(f"{bundle}: a {type(rr).__name__}, not a generative bundle")
+    return rr
 
 
 def teacher_row(data: SFTData, test: pd.DataFrame, profile: Profile) -> dict:

@@ -35,27 +35,24 @@ def canary_analysis(
     import shutil
     from pathlib import Path
 
-    from components.artifact_store import open_store
-    from gr2.config import load_profile
-    from serving.canary import analyze, probe_set
+    from components._lib import rollout_steps
 
-    cfg = load_profile(profile).canary
-    store = open_store(
-        bucket=store_bucket or None,
-        prefix=store_prefix or None,
-        endpoint_url=store_endpoint or None,
-        local_root=store_local_root or None,
-    )
-    report = analyze(
+    store = {
+        "bucket": store_bucket,
+        "prefix": store_prefix,
+        "endpoint_url": store_endpoint,
+        "local_root": store_local_root,
+    }
+    report = rollout_steps.canary_analysis(
         plan.path,
+        examples.path,
         analysis.path,
-        store,
-        cfg,
+        profile,
         prometheus_url,
-        probe_set(examples.path, cfg.probe_size),
-        model_name=model_name or None,
-        revision_label=revision_label,
-        scrape_interval_s=scrape_interval_s,
+        revision_label,
+        scrape_interval_s,
+        model_name,
+        store,
     )
     shutil.copy(Path(analysis.path) / "analysis.md", summary.path)
     analysis.metadata["outcome"] = report["outcome"]

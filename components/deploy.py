@@ -36,55 +36,27 @@ def deploy(
     `serve_image` ("" = the overlay's pinned image) must be a git-sha tag or an @sha256 digest. The smoke
     test asks `smoke_instance_json`, or else the newest test list of `examples` (the run's examples table)."""
     import json
-    from pathlib import Path
 
-    import components
-    from components.artifact_store import open_store
-    from gr2.gate import find_row, read_report
-    from serving.rollout import rollout
+    from components._lib import rollout_steps
 
-    dec = json.loads((Path(decision.path) / "decision.json").read_text())
-    if not dec["passed"]:
-        raise RuntimeError("deploy called for a model that did not pass the gate")
-    report = read_report(decision.path)
-    row = find_row(report["rows"], dec["candidate"])
-    record = {
-        "model": dec["candidate"],
-        "run_id": run_id,
-        **{k: row[k] for k in ("recall@1", "ndcg@5") if k in row},
-    }
-    store = open_store(
-        bucket=store_bucket or None,
-        prefix=store_prefix or None,
-        endpoint_url=store_endpoint or None,
-        local_root=store_local_root or None,
-    )
-    overlay_path = Path(overlay)
-    if not overlay_path.is_absolute() and not overlay_path.exists():
-        overlay_path = Path(components.__file__).resolve().parents[1] / overlay  # relative to the repo root
-    smoke = json.loads(smoke_instance_json) if smoke_instance_json else {}
-    if not smoke and not dry_run:  # the canary must be asked something it can answer
-        if examples is None:
-            raise ValueError(
-                "deploy needs smoke_instance_json or examples unless dry_run: one request to ask"
-            )
-        from serving.canary import probe_set
-
-        smoke = probe_set(examples.path, 1)[0]
-    from gr2.generative import bundle_dir
-
-    p = rollout(
-        str(bundle_dir(model.path)),
+    p = rollout_steps.deploy(
+        model.path,
+        decision.path,
+        plan.path,
         run_id,
         stage,
-        record,
-        store,
-        overlay_path,
-        plan.path,
-        smoke,
+        overlay,
         canary_percent,
         dry_run,
-        serve_image=serve_image or None,
+        json.loads(smoke_instance_json) if smoke_instance_json else None,
+        {
+            "bucket": store_bucket,
+            "prefix": store_prefix,
+            "endpoint_url": store_endpoint,
+            "local_root": store_local_root,
+        },
+        serve_image,
+        examples.path if examples is not None else None,
     )
     plan.metadata.update(outcome=p.outcome, storage_uri=p.storage_uri)
     return p.outcome

@@ -17,7 +17,9 @@ gr2 distill --student runs/x/cft --teacher runs/x/ar --sft-data ... --examples .
 gr2 rl --model runs/x/opd --sft-data ... --examples ... --out runs/x/rl        the deployable student
 gr2 evaluate-models --examples ... --floor-report runs/x/report --ar runs/x/ar ... --out runs/x/models
 gr2 gate --report runs/x/models --out runs/x/decision --candidate rl@0.9
-gr2 promote --run-id RUN --stage rl   write the production pointer after a passed canary
+gr2 deploy --model runs/x/rl --decision runs/x/decision --out runs/x/plan --run-id RUN [--no-dry-run]
+gr2 canary-analysis --plan runs/x/plan --examples ... --out runs/x/analysis   promote or roll back
+gr2 promote --run-id RUN --stage rl   write the production pointer after a passed canary (by hand)
 gr2 pipeline compile --output build/pipeline.yaml
 gr2 pipeline run-local --dataset ml-100k --profile quick
 gr2 pipeline upload   [--host $KFP_HOST]          compile + upload a version named <date>-<git sha>
@@ -299,6 +301,91 @@ def gate(
         raise typer.Exit(1)
 
 
+_BUCKET = typer.Option("", envvar="GR2_S3_BUCKET", help="S3 bucket (default: the local store)")
+_PREFIX = typer.Option(None, envvar="GR2_S3_PREFIX")
+_ENDPOINT = typer.Option("", envvar="S3_ENDPOINT_URL")
+_LOCAL_ROOT = typer.Option("", envvar="GR2_ARTIFACT_ROOT", help="local store folder")
+
+
+def _store(bucket: str, prefix: str | None, endpoint_url: str, local_root: str) -> dict:
+    return {"bucket": bucket, "prefix": prefix, "endpoint_url": endpoint_url, "local_root": local_root}
+
+
+@app.command()
+def deploy(
+    model: Path = typer.Option(..., help="the gated model folder (the RL student, `gr2 rl`)"),
+    decision: Path = typer.Option(..., help="the gate's output folder (`gr2 gate --out`)"),
+    out: Path = typer.Option(..., help="plan folder (plan.json + canary / promote / rollback manifests)"),
+    run_id: str = typer.Option(..., help="names the upload in the artifact store"),
+    stage: str = typer.Option("rl", help="the stage uploaded (the DAG deploys `rl`)"),
+    overlay: str = typer.Option("manifests/overlays/prod", help="kustomize overlay (relative to the repo)"),
+    canary_percent: int = typer.Option(10, help="traffic share of the canary"),
+    dry_run: bool = typer.Option(True, help="--no-dry-run applies the canary to the cluster"),
+    smoke_instance_json: str = typer.Option("", help="the smoke test's request (default: from --examples)"),
+    examples: Path = typer.Option(None, help="examples parquet: the smoke test asks its newest test list"),
+    serve_image: str = typer.Option("", help="serving image (a git-sha tag or @sha256 digest)"),
+    bucket: str = _BUCKET,
+    prefix: str = _PREFIX,
+    endpoint_url: str = _ENDPOINT,
+    local_root: str = _LOCAL_ROOT,
+) -> None:
+    """Upload the gated model and start its canary (the DAG's deploy step); prints the plan's outcome."""
+    from components._lib import rollout_steps
+
+    plan = rollout_steps.deploy(
+        model,
+        decision,
+        out,
+        run_id,
+        stage,
+        overlay,
+        canary_percent,
+        dry_run,
+        json.loads(smoke_instance_json) if smoke_instance_json else None,
+        _store(bucket, prefix, endpoint_url, local_root),
+        serve_image,
+        examples,
+    )
+    _echo({"outcome": plan.outcome, "storage_uri": plan.storage_uri, "plan": str(out / "plan.json")})
+
+
+@app.command("canary-analysis")
+def canary_analysis(
+    plan: Path = typer.Option(..., help="the deploy plan folder (`gr2 deploy --out`)"),
+    examples: Path = typer.Option(..., help="examples parquet: the probe set"),
+    out: Path = typer.Option(..., help="analysis folder (analysis.json / analysis.md)"),
+    profile: str = typer.Option("quick", help="profile holding the canary steps and thresholds"),
+    prometheus_url: str = typer.Option("http://prometheus-operated.monitoring.svc:9090"),
+    revision_label: str = typer.Option("serving_knative_dev_revision"),
+    scrape_interval_s: float = typer.Option(30.0),
+    model_name: str = typer.Option("", help="default: the InferenceService's name"),
+    bucket: str = _BUCKET,
+    prefix: str = _PREFIX,
+    endpoint_url: str = _ENDPOINT,
+    local_root: str = _LOCAL_ROOT,
+) -> None:
+    """Move the canary through its traffic steps, then promote or roll back (the DAG's canary-analysis step);
+    exits 1 when it rolled back."""
+    from components._lib import rollout_steps
+
+    report = rollout_steps.canary_analysis(
+        plan,
+        examples,
+        out,
+        profile,
+        prometheus_url,
+        revision_label,
+        scrape_interval_s,
+        model_name,
+        _store(bucket, prefix, endpoint_url, local_root),
+    )
+    for step in report["steps"]:
+        typer.echo(f"{step['canary_percent']}%: {step.get('failures') or 'passed'}")
+    typer.echo(report["outcome"])
+    if report["outcome"] != "promoted":
+        raise typer.Exit(1)
+
+
 @app.command()
 def promote(
     run_id: str = typer.Option(
@@ -309,10 +396,10 @@ def promote(
         "",
         help="the upload attempt the canary served (the last segment of the plan's storage_uri); default: the published one",
     ),
-    bucket: str = typer.Option("", envvar="GR2_S3_BUCKET", help="S3 bucket (default: the local store)"),
-    prefix: str = typer.Option(None, envvar="GR2_S3_PREFIX"),
-    endpoint_url: str = typer.Option("", envvar="S3_ENDPOINT_URL"),
-    local_root: str = typer.Option("", envvar="GR2_ARTIFACT_ROOT", help="local store folder"),
+    bucket: str = _BUCKET,
+    prefix: str = _PREFIX,
+    endpoint_url: str = _ENDPOINT,
+    local_root: str = _LOCAL_ROOT,
 ) -> None:
     """Point `production` at a published (run_id, stage) once its canary passed; the next gate compares to it."""
     from components.artifact_store import ArtifactError, open_store

@@ -122,3 +122,54 @@ def test_train_ar_rejects_an_unknown_variant(monkeypatch):
     monkeypatch.setattr(model_steps, "train_ar", lambda **kw: pytest.fail("ran with a bad variant"))
     res = CliRunner().invoke(app, ["train-ar", "--sft-data", "s", "--out", "o", "--variant", "nope"])
     assert res.exit_code == 2 and "trace | ar_no_trace" in res.output
+
+
+def test_deploy_dry_run_renders_the_plan_and_uploads_the_gated_model(tmp_path):
+    from components.artifact_store import open_store
+    from gr2.gate import run_gate
+    from gr2.inference import FloorReranker
+
+    model = FloorReranker(name="floor", n_candidates=10).save(tmp_path / "model")
+    rows = [
+        {"model": "floor", "recall@1": 0.3, "validity": 1.0},
+        {"model": "rl", "recall@1": 0.31, "validity": 1.0},
+    ]
+    (tmp_path / "report.json").write_text(json.dumps({"rows": rows}))
+    assert run_gate(tmp_path / "report.json", tmp_path / "decision", "rl", True, "quick", None)["passed"]
+    argv = [
+        "deploy",
+        "--model",
+        str(model),
+        "--decision",
+        str(tmp_path / "decision"),
+        "--out",
+        str(tmp_path / "plan"),
+    ]
+    argv += ["--run-id", "r1", "--overlay", "manifests/overlays/dev", "--canary-percent", "30"]
+    res = CliRunner().invoke(app, [*argv, "--local-root", str(tmp_path / "store")], env={"GR2_S3_BUCKET": ""})
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["outcome"] == "dry-run"
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert (plan["outcome"], plan["canary_percent"], plan["stage"]) == ("dry-run", 30, "rl")
+    store = open_store(local_root=tmp_path / "store")
+    assert store.manifest("r1", "rl").metadata == {"model": "rl", "run_id": "r1", "recall@1": 0.31}
+
+
+@pytest.mark.parametrize("outcome, code", [("promoted", 0), ("rolled-back", 1)])
+def test_canary_analysis_runs_the_components_step_and_exits_by_outcome(monkeypatch, outcome, code):
+    from components._lib import rollout_steps
+
+    calls = []
+
+    def analysis(*args):
+        calls.append(args)
+        return {"outcome": outcome, "steps": [{"canary_percent": 10, "failures": []}]}
+
+    monkeypatch.setattr(rollout_steps, "canary_analysis", analysis)
+    argv = ["canary-analysis", "--plan", "p", "--examples", EX, "--out", "a", "--profile", "bench"]
+    res = CliRunner().invoke(app, [*argv, "--local-root", "s"], env={"GR2_S3_BUCKET": ""})
+    assert res.exit_code == code, res.output
+    assert res.output.splitlines() == ["10%: passed", outcome]
+    (args,) = calls
+    assert [str(a) for a in args[:4]] == ["p", EX, "a", "bench"]
+    assert args[-1] == {"bucket": "", "prefix": None, "endpoint_url": "", "local_root": "s"}

@@ -374,7 +374,16 @@ def test_cli_exposes_every_step():
         "prepare-sft",
         "train-ar",
     ]
-    steps += ["rl", "convert-cft", "distill", "evaluate-models", "gate", "promote"]
+    steps += [
+        "rl",
+        "convert-cft",
+        "distill",
+        "evaluate-models",
+        "gate",
+        "deploy",
+        "canary-analysis",
+        "promote",
+    ]
     for cmd in steps:
         assert cmd in top.output, cmd
         res = CliRunner().invoke(app, [cmd, "--help"])

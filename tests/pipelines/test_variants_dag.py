@@ -2,7 +2,9 @@
 not have: no titles and no categories, no timestamps, repeat purchases, very long histories beside users at
 the minimum length. Each variant is built from ../shared/data by gr2/data/variants.py into a temp folder.
 `stripped` (no titles, no timestamps) stands for "Beauty without timestamps": it is also the variant of the
-documented bench recipe, so one run covers both."""
+documented bench recipe, so one run covers both. A DAG run costs minutes of CPU: `make test` runs `stripped` once,
+in tests/pipelines/test_local_run.py (with serving and the speed and comparison tools); GR2_ALL_VARIANTS=1 runs
+every variant here."""
 
 from __future__ import annotations
 
@@ -51,14 +53,28 @@ STAGES = [
 ]
 
 
-# A DAG run costs minutes of CPU, so `make test` runs the most degraded variant; GR2_ALL_VARIANTS=1 runs all four.
-DEFAULT_VARIANTS = ["stripped"]
+def check_variant_report(rep: dict, md: str, name: str) -> None:
+    """What every variant's report must say: every stage evaluated, a gate decision with reasons, what the data
+    has and lacks, and the evidence features it could not supply (dropped, never a constant column)."""
+    assert sorted({r["model"] for r in rep["rows"]}) == sorted(STAGES)
+    assert isinstance(rep["gate"]["passed"], bool) and rep["gate"]["reasons"]
+    prof = rep["dataset_profile"]
+    assert prof["lacks"] == LACKS[name] and prof["users"] == USERS[name]
+    assert ("repeats" in prof["has"]) == (name == "repeats")
+    if name == "long":
+        assert prof["history_length"]["min"] == 2 and prof["history_length"]["max"] == 2698
+    assert rep["evidence"]["dropped_features"] == DROPPED[name]
+    assert not set(DROPPED[name]) & set(rep["evidence"]["features"])
+    assert "## Dataset profile" in md and f"lacks: {', '.join(LACKS[name]) or 'nothing'}" in md
+    assert ("evidence features dropped: " in md) == bool(DROPPED[name])
 
 
 @pytest.mark.parametrize("name", list(SLICES))
 def test_smoke_dag_on_variant(tmp_path, name):
-    if name not in DEFAULT_VARIANTS and not os.environ.get("GR2_ALL_VARIANTS"):
-        pytest.skip("set GR2_ALL_VARIANTS=1 to run every variant's DAG")
+    if not os.environ.get("GR2_ALL_VARIANTS"):
+        pytest.skip(
+            "set GR2_ALL_VARIANTS=1 to run every variant's DAG (make test runs `stripped` in test_local_run)"
+        )
     if not (data_root() / VARIANTS[name].source / "interactions.tsv").exists():
         pytest.skip("shared data not available")
     data = build_variant(name, tmp_path / name, max_users=SLICES[name])
@@ -75,17 +91,4 @@ def test_smoke_dag_on_variant(tmp_path, name):
     rep = res["report"]
     assert rep is not None, res["validation"]
     assert [v["passed"] for v in res["validation"]] == [True, True]
-    # Every stage ran and was evaluated; the gate decided, with reasons.
-    assert sorted({r["model"] for r in rep["rows"]}) == sorted(STAGES)
-    assert isinstance(rep["gate"]["passed"], bool) and rep["gate"]["reasons"]
-    # The report says what the data has and lacks.
-    prof = rep["dataset_profile"]
-    assert prof["lacks"] == LACKS[name] and prof["users"] == USERS[name]
-    assert ("repeats" in prof["has"]) == (name == "repeats")
-    if name == "long":
-        assert prof["history_length"]["min"] == 2 and prof["history_length"]["max"] == 2698
-    assert rep["evidence"]["dropped_features"] == DROPPED[name]
-    assert not set(DROPPED[name]) & set(rep["evidence"]["features"])
-    md = (tmp_path / "runs" / name / "report.md").read_text()
-    assert "## Dataset profile" in md and f"lacks: {', '.join(LACKS[name]) or 'nothing'}" in md
-    assert ("evidence features dropped: " in md) == bool(DROPPED[name])
+    check_variant_report(rep, (tmp_path / "runs" / name / "report.md").read_text(), name)

@@ -41,7 +41,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
-from gr2.model import attention_rows, block_causal_mask, position_ids_for
+from gr2.model import attention_rows, block_causal_mask, model_config, position_ids_for
 
 
 def left_pad(
@@ -76,13 +76,21 @@ def _check_logprobs(logprobs: torch.Tensor | None, rule: Callable | None, shape:
     logprobs.zero_()
 
 
-def _device(model: torch.nn.Module) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's (first) parameters: where the decoders build their tensors."""
     return next(model.parameters()).device
 
 
-def _pad_id(model: torch.nn.Module) -> int:
-    pad = model.config.pad_token_id
+def model_pad_id(model: torch.nn.Module) -> int:
+    """The id the decoders left-pad prompts with: the config's pad_token_id, 0 when it has none."""
+    pad = model_config(model).pad_token_id
     return 0 if pad is None else int(pad)
+
+
+def pad_prompts(prompts: list[list[int]], model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as every decoder lays them out for `model`: `left_pad` with its pad id, on its device
+    -> (ids [B, P], pad_lens [B])."""
+    return left_pad(prompts, model_pad_id(model), model_device(model))
 
 
 def _layout(
@@ -90,8 +98,8 @@ def _layout(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decoding buffer and what every forward slices: (seq [B, P + L] = left-padded prompts then `fill`,
     pad_lens [B], attn [B, P + L] (1 = a real column), pos [B, P + L] position ids)."""
-    dev = _device(model)
-    ids, pad_lens = left_pad(prompts, _pad_id(model), dev)
+    ids, pad_lens = pad_prompts(prompts, model)
+    dev = ids.device
     seq = torch.cat([ids, torch.full((ids.shape[0], max_new_tokens), fill, device=dev)], dim=1)
     cols = torch.arange(seq.shape[1], device=dev)
     attn = (cols[None, :] >= pad_lens[:, None]).long()
@@ -134,7 +142,7 @@ def ar_generate(
     by `pick`, 0 for the eos filler written after a row finished.
     unique: token ids written at most once per row (module docstring).
     """
-    fill = eos_id if eos_id is not None else _pad_id(model)
+    fill = eos_id if eos_id is not None else model_pad_id(model)
     seq, _, attn, pos = _layout(prompts, max_new_tokens, model, fill)
     B, P = seq.shape[0], seq.shape[1] - max_new_tokens
     _check_logprobs(logprobs, pick, (B, max_new_tokens))
@@ -456,7 +464,7 @@ def spec_generate(
     output is `ar_generate(..., unique=unique)`'s.
     """
     L = max_new_tokens
-    fill = eos_id if eos_id is not None else _pad_id(verifier)
+    fill = eos_id if eos_id is not None else model_pad_id(verifier)
     seq, pad_lens, attn, pos = _layout(prompts, L, verifier, mask_id)
     B, P = seq.shape[0], seq.shape[1] - L
     resp = seq[:, P:]

@@ -31,10 +31,10 @@ import copy
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 from gr2.config import ModelConfig
 
@@ -80,6 +80,12 @@ def build_model(
     model = LlamaForCausalLM._from_config(hf, attn_implementation=ATTN_IMPLEMENTATION)
     model.eval()
     return model
+
+
+def model_config(model: torch.nn.Module) -> PretrainedConfig:
+    """The model's Hugging Face config. Every gr2 model is a transformers causal LM; `nn.Module` types an
+    attribute it does not declare as `Tensor | Module`, so this names the type the code relies on."""
+    return cast(PretrainedConfig, model.config)
 
 
 def _source(pretrained: str) -> tuple[str, dict[str, Any]]:

@@ -33,7 +33,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from gr2.decode import ar_generate, ban_repeats, diffusion_generate, left_pad, threshold_commits
+from gr2.decode import ar_generate, ban_repeats, diffusion_generate, pad_prompts, threshold_commits
 from gr2.losses import Batch, certainty_entropy, diffusion_logits, sample_masks
 from gr2.model import block_causal_mask, position_ids_for
 
@@ -132,14 +132,6 @@ def _pick(
     return tok, lp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
 
-def _dev(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _pad(model: torch.nn.Module) -> int:
-    return int(model.config.pad_token_id or 0)
-
-
 @torch.no_grad()
 def sample_ar(
     model: torch.nn.Module,
@@ -151,8 +143,8 @@ def sample_ar(
     unique: torch.Tensor | None = None,
 ) -> Rollouts:
     """AR sampling: `ar_generate` (KV cache) with `_pick` as the token choice; temperature 0 = greedy."""
-    dev = _dev(model)
-    ids, pad_lens = left_pad(prompts, _pad(model), dev)
+    ids, pad_lens = pad_prompts(prompts, model)  # the decoder's own layout, kept in the Rollouts
+    dev = ids.device
     lps = torch.zeros(len(prompts), max_new_tokens, device=dev)
     pick = partial(_pick, temperature=temperature, gen=generator)
     tokens, nfe = ar_generate(model, prompts, max_new_tokens, eos_id, pick=pick, logprobs=lps, unique=unique)
@@ -187,8 +179,8 @@ def sample_diffusion(
 ) -> Rollouts:
     """Block-diffusion sampling: `diffusion_generate` (cached: same rounds, anchors, nfe and trajectory) with
     `sample_commits` as the commit rule. temperature 0 reproduces `diffusion_generate` exactly."""
-    dev = _dev(model)
-    ids, pad_lens = left_pad(prompts, _pad(model), dev)
+    ids, pad_lens = pad_prompts(prompts, model)  # the decoder's own layout, kept in the Rollouts
+    dev = ids.device
     lps = torch.zeros(len(prompts), max_new_tokens, device=dev)
     commit_fn = partial(sample_commits, temperature=temperature, gen=generator)
     tokens, nfe, traj = diffusion_generate(

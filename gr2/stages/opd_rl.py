@@ -18,15 +18,16 @@ import json
 import logging
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from gr2.config import Profile, TrainConfig
+from gr2.config import OPDConfig, Profile, RLConfig, TrainConfig
 from gr2.generative import GenerativeReranker, load_bundle_parts, load_verifier
 from gr2.model import add_lora
 from gr2.opd import make_opd_batch, opd_loss
@@ -82,28 +83,22 @@ def _generator(seed: int, step: int) -> torch.Generator:
 
 
 # ---------------------------------------------------------------------------------------------- batches
+@dataclass(frozen=True, eq=False)
 class RLBatches:
     """batches_fn for RL: G sampled rollouts per prompt, GR2 rewards, group advantages, zero-variance groups
     dropped (if every group is dropped, the batch keeps all rows with advantage 0: a zero-gradient step)."""
 
-    def __init__(
-        self,
-        model,
-        prompts,
-        labels,
-        pre_ranks,
-        tokenizer,
-        n,
-        rc,
-        block_size,
-        max_new_tokens,
-        seed,
-        unique=None,
-    ):
-        self.model, self.prompts, self.labels, self.tok, self.n = model, prompts, labels, tokenizer, n
-        self.unique = unique  # answer labels written at most once (the serving decoders' rule)
-        self.pre_ranks = pre_ranks
-        self.rc, self.block_size, self.max_new_tokens, self.seed = rc, block_size, max_new_tokens, seed
+    model: torch.nn.Module
+    prompts: list[list[int]]
+    labels: list[int]  # the held-out item's index in each prompt
+    pre_ranks: list[int]  # its retriever rank (the reward's rank_before)
+    tokenizer: Any
+    n_candidates: int
+    rc: RLConfig
+    block_size: int  # 0 = AR sampling
+    max_new_tokens: int
+    seed: int
+    unique: torch.Tensor | None = None  # answer labels written at most once (the serving decoders' rule)
 
     def __call__(self, step: int) -> RolloutBatch:
         rc, G = self.rc, self.rc.group_size
@@ -116,8 +111,8 @@ class RLBatches:
             rep,
             self.max_new_tokens,
             self.block_size,
-            self.tok.eos_token_id,
-            self.tok.mask_token_id,
+            self.tokenizer.eos_token_id,
+            self.tokenizer.mask_token_id,
             rc.tau,
             rc.temperature,
             _generator(self.seed, step),
@@ -125,16 +120,18 @@ class RLBatches:
         )
         sample_s = time.perf_counter() - t0
         scored = [
-            response_reward(row, self.labels[i], self.n, self.tok, rc.alpha, self.pre_ranks[i])
+            response_reward(
+                row, self.labels[i], self.n_candidates, self.tokenizer, rc.alpha, self.pre_ranks[i]
+            )
             for i, row in zip(rows_of, ro.tokens.tolist(), strict=True)
         ]
         rewards = torch.tensor([r for r, _ in scored]).view(len(idx), G)
         adv, keep = group_advantages(rewards)
         rows = torch.nonzero(keep.repeat_interleave(G)).squeeze(-1)
         if len(rows) == 0:
-            batch = rollout_batch(ro, self.tok.eos_token_id)
+            batch = rollout_batch(ro, self.tokenizer.eos_token_id)
         else:
-            batch = rollout_batch(ro, self.tok.eos_token_id, adv.flatten()[rows], rows)
+            batch = rollout_batch(ro, self.tokenizer.eos_token_id, adv.flatten()[rows], rows)
         batch.step = step
         batch.stats = {
             "reward": float(rewards.mean()),
@@ -148,12 +145,18 @@ class RLBatches:
         return batch
 
 
+@dataclass(frozen=True, eq=False)
 class OPDBatches:
     """batches_fn for OPD: G' student rollouts per prompt with the teacher's log-probs cached on them."""
 
-    def __init__(self, student, teacher, prompts, tokenizer, oc, block_size, max_new_tokens, seed):
-        self.student, self.teacher, self.prompts, self.tok = student, teacher, prompts, tokenizer
-        self.oc, self.block_size, self.max_new_tokens, self.seed = oc, block_size, max_new_tokens, seed
+    student: torch.nn.Module
+    teacher: torch.nn.Module
+    prompts: list[list[int]]
+    tokenizer: Any
+    oc: OPDConfig
+    block_size: int
+    max_new_tokens: int
+    seed: int
 
     def __call__(self, step: int) -> RolloutBatch:
         oc = self.oc
@@ -169,8 +172,8 @@ class OPDBatches:
             oc.rollouts_per_prompt,
             self.max_new_tokens,
             self.block_size,
-            self.tok.mask_token_id,
-            self.tok.eos_token_id,
+            self.tokenizer.mask_token_id,
+            self.tokenizer.eos_token_id,
             oc.tau,
             oc.temperature,
             _generator(self.seed, step),
@@ -301,7 +304,16 @@ def train_opd(
     student = add_lora(student, profile.model)
     rr = GenerativeReranker(student, tok, sids, ev, cfg)
     prompts, _, _ = train_prompts(rr, examples, oc.max_prompts, profile.seed)
-    batches = OPDBatches(student, teacher, prompts, tok, oc, bs, rr.max_new_tokens, profile.seed)
+    batches = OPDBatches(
+        student=student,
+        teacher=teacher,
+        prompts=prompts,
+        tokenizer=tok,
+        oc=oc,
+        block_size=bs,
+        max_new_tokens=rr.max_new_tokens,
+        seed=profile.seed,
+    )
     fn = partial(opd_loss, block_size=bs, mask_id=tok.mask_token_id, direction=direction)
     res = _run(student, batches, lambda m, b: fn(m, b), _train_cfg(oc, profile.seed), out / "train")
     meta = {
@@ -318,6 +330,13 @@ def train_opd(
     return write_bundle(out / "bundle", student, tok, sids, ev, meta, verifier=teacher)
 
 
+def rl_config(profile: Profile, block_size: int) -> RLConfig:
+    """The RL config for a bundle's decoder. The DAG runs the one `rl` step twice and the input bundle's
+    block size picks the config: the AR teacher (block_size 0, GR2 stage 3 after SFT) trains under
+    `profile.ar_rl`, the block-diffusion student (block_size > 0, after OPD) under `profile.rl`."""
+    return profile.rl if block_size > 0 else profile.ar_rl
+
+
 def train_rl(
     bundle: str | Path, data: SFTData, examples: pd.DataFrame, profile: Profile, out_dir: str | Path
 ) -> Path:
@@ -326,7 +345,7 @@ def train_rl(
     out = Path(out_dir)
     model, tok, sids, ev, cfg = load_bundle_parts(bundle)
     bs = int(model.config.gr2_block_size or 0)
-    rc = profile.rl if bs > 0 else profile.ar_rl
+    rc = rl_config(profile, bs)
     model = add_lora(model, profile.model)
     if len(data.tokenizer) != len(tok):
         raise ValueError("the SFT data and the bundle have different vocabularies")
@@ -336,17 +355,17 @@ def train_rl(
     )
     # Rollouts decode as the served model does, so RL optimises the rankings it will serve (rr.unique).
     batches = RLBatches(
-        model,
-        prompts,
-        labels,
-        pre_ranks,
-        tok,
-        rr.n_candidates,
-        rc,
-        bs,
-        rr.max_new_tokens,
-        profile.seed,
-        rr.unique,
+        model=model,
+        prompts=prompts,
+        labels=labels,
+        pre_ranks=pre_ranks,
+        tokenizer=tok,
+        n_candidates=rr.n_candidates,
+        rc=rc,
+        block_size=bs,
+        max_new_tokens=rr.max_new_tokens,
+        seed=profile.seed,
+        unique=rr.unique,
     )
     fn = partial(
         grpo_loss,

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from gr2.config import load_profile
 from gr2.decode import ar_generate, diffusion_generate
 from gr2.model import convert_to_diffusion
 from gr2.rl import (
@@ -17,7 +18,7 @@ from gr2.rl import (
     sample_diffusion,
     token_logprobs,
 )
-from gr2.stages.opd_rl import prompts_for_step
+from gr2.stages.opd_rl import prompts_for_step, rl_config
 from tests.gr2.test_train import EOS, MASK, toy_items, toy_model
 
 BS = 4
@@ -169,6 +170,13 @@ def test_prompts_for_step_epochs():
     seen = [i for s in range(5) for i in prompts_for_step(20, 4, s, seed=0)]
     assert sorted(seen) == list(range(20))  # one epoch = every prompt once
     assert prompts_for_step(20, 4, 7, 0) == prompts_for_step(20, 4, 7, 0)  # pure function of (seed, step)
+
+
+def test_the_input_bundles_decoder_picks_the_rl_config():
+    prof = load_profile("quick")
+    assert prof.rl != prof.ar_rl  # quick.yaml gives the two runs different learning rates
+    assert rl_config(prof, 0) is prof.ar_rl  # the AR teacher: GR2 stage 3
+    assert rl_config(prof, 8) is prof.rl  # the block-diffusion student after OPD
 
 
 def test_all_groups_dropped_gives_zero_gradient():

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from gr2.config import EvidenceConfig
+from gr2.config import EvidenceConfig, PromptConfig
 from gr2.retriever import cooccurrence_counts, index_sequences, steps_back
 
 FEATURE_NAMES = (
@@ -289,7 +289,7 @@ class Evidence:
         return np.where(cand.ravel() >= 0, dot, 0.0).reshape(B, N)
 
     # ------------------------------------------------------------------ buckets for prompts
-    def fit_buckets(self, X: np.ndarray, n_buckets: int = 4) -> np.ndarray:
+    def fit_buckets(self, X: np.ndarray, n_buckets: int = PromptConfig.n_buckets) -> np.ndarray:
         """Edges from training features ([..., F]): bucket 0 = at the minimum (usually "no evidence"), buckets
         1..n_buckets-1 = equal-count quantile ranges of the values above it (PromptConfig.n_buckets)."""
         if n_buckets < 2:

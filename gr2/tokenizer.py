@@ -25,9 +25,9 @@ def build_vocab(
     codebook_sizes: Sequence[int],
     feature_names: Sequence[str] | None,
     n_features: int | None = None,
-    n_buckets: int = 4,
-    max_labels: int = 26,
-    score_levels: int = 8,
+    n_buckets: int = PromptConfig.n_buckets,
+    max_labels: int = PromptConfig.max_labels,
+    score_levels: int = PromptConfig.score_levels,
 ) -> list[str]:
     """Ordered vocabulary: specials, SID tokens level by level, then the format's tokens."""
     n_features = len(feature_names) if feature_names is not None else (n_features or 0)

@@ -161,7 +161,7 @@ def ar_generate(
             logits_to_keep=1,  # the LM head on the last column only (the prefill would project all P)
         ).logits[:, -1]
         nfe += 1
-        if seen is not None:
+        if seen is not None and unique is not None:  # (both or neither)
             logits = ban_repeats(logits[:, None], seen[:, None], unique)[:, 0]
         if pick is None:
             tok = logits.argmax(-1)
@@ -252,7 +252,7 @@ def _commit_round(
     masked = ~committed[:, :c]
     if unique is not None:  # ban what earlier blocks and this block's committed positions hold
         here = ((block[:, :, None] == unique) & committed[:, :, None]).any(1)
-        shifted = ban_repeats(shifted, (seen | here)[:, None], unique)
+        shifted = ban_repeats(shifted, (here if seen is None else seen | here)[:, None], unique)
     if commit_fn is None:  # the module global, looked up per round (tests spy on it)
         commit, pred = select_commits(shifted, masked, tau)
     else:
@@ -371,7 +371,7 @@ def diffusion_generate(
                 shifted, committed, tau, commit_fn, block, traj[:, s0:end], lp, rnd, eos_id, unique, seen
             )
             rnd += 1
-            if eos_seen:
+            if eos_seen and eos_id is not None:  # (eos_seen implies an eos_id)
                 _finish_rows(block, committed, done, eos_id, fill)
     resp[:, end:] = fill  # blocks never reached because every row had finished
     return resp.clone(), nfe, traj
@@ -426,7 +426,7 @@ def diffusion_generate_nocache(
                 shifted, committed, tau, commit_fn, block, traj[:, s0:end], lp, rnd, eos_id, unique, seen
             )
             rnd += 1
-            if eos_seen:
+            if eos_seen and eos_id is not None:  # (eos_seen implies an eos_id)
                 _finish_rows(block, committed, done, eos_id, fill)
     resp[:, end:] = fill
     return resp.clone(), nfe, traj

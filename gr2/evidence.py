@@ -90,6 +90,16 @@ class _Pairs:
 
 
 class Evidence:
+    # The item tables and what `from_item_tables` builds from them (every constructor goes through it).
+    _table: pd.DataFrame
+    items: np.ndarray  # item ids, sorted
+    index: dict[str, int]  # item id -> row
+    pop: np.ndarray
+    trans: _Pairs
+    cooc: _Pairs
+    cats: sp.csr_matrix
+    title_vec: sp.csr_matrix
+
     def __init__(self, config: EvidenceConfig | None = None):
         self.config = config or EvidenceConfig()
         self.bucket_edges: np.ndarray | None = None  # [F, n_buckets - 1]
@@ -313,7 +323,7 @@ class Evidence:
         if self.bucket_edges is None:
             raise RuntimeError("Evidence.buckets: call fit_buckets on training features first")
         e = self.bucket_edges
-        return sum((X > e[:, i]).astype(np.int64) for i in range(e.shape[1]))
+        return sum(((X > e[:, i]).astype(np.int64) for i in range(e.shape[1])), np.zeros(X.shape, np.int64))
 
 
 def unsupplied_features(table: pd.DataFrame) -> dict[str, str]:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from gr2.decode import ar_generate, diffusion_generate, spec_generate
 from gr2.evidence import Evidence
@@ -60,12 +61,12 @@ class GenerativeReranker:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         tokenizer: Any,
         sids: SemanticIds,
         evidence: Evidence,
         config: dict,
-        verifier: torch.nn.Module | None = None,
+        verifier: PreTrainedModel | None = None,
     ):
         self.model, self.tokenizer, self.sids, self.evidence = model, tokenizer, sids, evidence
         self.verifier = verifier
@@ -90,7 +91,7 @@ class GenerativeReranker:
             return ("ar",)
         return DECODERS if self.verifier is not None else ("diffusion", "ar")
 
-    def with_verifier(self, verifier: torch.nn.Module, name: str) -> GenerativeReranker:
+    def with_verifier(self, verifier: PreTrainedModel, name: str) -> GenerativeReranker:
         """The same model (shared, not copied) with another verifier and name."""
         return GenerativeReranker(
             self.model, self.tokenizer, self.sids, self.evidence, {**self.config, "name": name}, verifier
@@ -187,6 +188,7 @@ class GenerativeReranker:
             if decoder == "ar":
                 toks, n = ar_generate(self.model, chunk, self.max_new_tokens, eos, unique=self.unique)
             elif decoder == "spec":
+                assert self.verifier is not None  # checked above
                 toks, n, n_verify = spec_generate(
                     self.model,
                     self.verifier,
@@ -235,12 +237,12 @@ def _until_eos(row: list[int], eos: int) -> list[int]:
 
 def save_bundle(
     out_dir: str | Path,
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     tokenizer: Any,
     sids: SemanticIds,
     evidence: Evidence,
     config: dict,
-    verifier: torch.nn.Module | None = None,
+    verifier: PreTrainedModel | None = None,
 ) -> Path:
     """Write a loadable model directory (see the module docstring); `verifier` (an AR model) goes to verifier/."""
     out = Path(out_dir)
@@ -268,7 +270,7 @@ def bundle_dir(path: str | Path) -> Path:
     return p / "bundle" if (p / "bundle" / CONFIG_FILE).exists() else p
 
 
-def load_bundle_parts(path: str | Path) -> tuple[torch.nn.Module, Any, SemanticIds, Evidence, dict]:
+def load_bundle_parts(path: str | Path) -> tuple[PreTrainedModel, Any, SemanticIds, Evidence, dict]:
     path = Path(path)
     cfg = json.loads((path / CONFIG_FILE).read_text())
     model, _ = load_model(path / "model")
@@ -281,7 +283,7 @@ def load_bundle_parts(path: str | Path) -> tuple[torch.nn.Module, Any, SemanticI
     )
 
 
-def load_verifier(path: str | Path) -> torch.nn.Module | None:
+def load_verifier(path: str | Path) -> PreTrainedModel | None:
     """The bundle's verifier (its AR teacher, for the "spec" decoder), or None when it has none."""
     sub = json.loads((Path(path) / CONFIG_FILE).read_text()).get(VERIFIER_DIR)
     return load_model(Path(path) / sub)[0] if sub else None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gr2.model import block_causal_mask, position_ids_for
+from gr2.model import block_causal_mask, model_config, position_ids_for
 
 Item = tuple[Sequence[int], Sequence[int], Sequence[float]]
 
@@ -238,7 +238,7 @@ def diffusion_loss_loop(
     V = masks.shape[0]
     P, R = batch.prompt_len, batch.resp_len
     x0 = batch.input_ids[:, P:]
-    out = torch.zeros(V, x0.shape[0], R, model.config.vocab_size, device=x0.device)
+    out = torch.zeros(V, x0.shape[0], R, model_config(model).vocab_size, device=x0.device)
     for v in range(V):
         xt = torch.where(masks[v], torch.full_like(x0, mask_id), x0)
         for s0 in range(0, R, block_size):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 from sklearn.ensemble import HistGradientBoostingClassifier
@@ -56,11 +57,17 @@ def rankings_from_scores(scores: np.ndarray) -> list[list[int]]:
     return np.argsort(-scores, axis=1, kind="stable").tolist()
 
 
+class Classifier(Protocol):
+    """What LTRModel needs of a fitted scikit-learn classifier."""
+
+    def predict_proba(self, X: np.ndarray) -> np.ndarray: ...
+
+
 @dataclass
 class LTRModel:
     kind: str
     params: dict
-    estimator: object
+    estimator: Classifier
     val: dict = field(default_factory=dict)  # validation R@1 / NDCG@5 of the chosen params
     grid: list[dict] = field(default_factory=list)  # every tried params with its validation scores
 

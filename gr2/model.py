@@ -34,7 +34,13 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from gr2.config import ModelConfig
 
@@ -67,7 +73,7 @@ def build_model(
         num_attention_heads=cfg.n_head,
         num_key_value_heads=n_kv,
         max_position_embeddings=cfg.max_len,
-        rope_theta=cfg.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         tie_word_embeddings=cfg.tie_embeddings,
         attention_dropout=0.0,
         pad_token_id=pad_id,
@@ -86,6 +92,12 @@ def model_config(model: torch.nn.Module) -> PretrainedConfig:
     """The model's Hugging Face config. Every gr2 model is a transformers causal LM; `nn.Module` types an
     attribute it does not declare as `Tensor | Module`, so this names the type the code relies on."""
     return cast(PretrainedConfig, model.config)
+
+
+def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The backbone's decoder `model.model` and its LM head `model.lm_head` (every backbone has both: module
+    docstring), for the losses that run the two apart."""
+    return model.get_submodule("model"), model.get_submodule("lm_head")
 
 
 def _source(pretrained: str) -> tuple[str, dict[str, Any]]:
@@ -109,18 +121,21 @@ def _piece_rows(src_tok: Any, token: str) -> list[int]:
     return [i for i in src_tok(token, add_special_tokens=False)["input_ids"] if i is not None]
 
 
-def transfer_vocabulary(model: torch.nn.Module, src_tok: Any, tokenizer: Any) -> None:
+def _embedding_weights(model: PreTrainedModel) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    """The (input embedding, output head) weight matrices; the same parameter when they are tied."""
+    head = model.get_output_embeddings()
+    return model.get_input_embeddings().get_parameter("weight"), head.get_parameter("weight")
+
+
+def transfer_vocabulary(model: PreTrainedModel, src_tok: Any, tokenizer: Any) -> None:
     """Give `model` the project vocabulary: one embedding (and head) row per project token, the mean of the
     pretrained rows of its pieces under `src_tok` (module docstring). `src_tok` None: every row the mean row."""
-    old_in = model.get_input_embeddings().weight.detach().clone()
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    old_out = None if tied else model.get_output_embeddings().weight.detach().clone()
+    w_in, w_out = _embedding_weights(model)
+    old_in = w_in.detach().clone()
+    old_out = None if w_out is w_in else w_out.detach().clone()  # tied: one matrix
     vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     model.resize_token_embeddings(len(tokenizer))
-    for new, old in (
-        (model.get_input_embeddings().weight, old_in),
-        (model.get_output_embeddings().weight, old_out),
-    ):
+    for new, old in zip(_embedding_weights(model), (old_in, old_out), strict=True):
         if old is None:
             continue
         rows = [_piece_rows(src_tok, t) for t in vocab]
@@ -129,7 +144,7 @@ def transfer_vocabulary(model: torch.nn.Module, src_tok: Any, tokenizer: Any) ->
     model.config.vocab_size = len(tokenizer)
 
 
-def load_pretrained(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
+def load_pretrained(cfg: ModelConfig, tokenizer: Any) -> PreTrainedModel:
     """The SFT starting point from `cfg.pretrained` (a folder, a .gguf file, or a cached hub id), with the
     project vocabulary (`transfer_vocabulary`), its special ids, sdpa attention and fp32 weights."""
     from transformers import AutoTokenizer
@@ -161,7 +176,7 @@ def load_pretrained(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
     return model
 
 
-def build_backbone(cfg: ModelConfig, tokenizer: Any, seed: int | None = None) -> torch.nn.Module:
+def build_backbone(cfg: ModelConfig, tokenizer: Any, seed: int | None = None) -> PreTrainedModel:
     """What SFT starts from: `cfg.pretrained` if set, else a fresh Llama sized by `cfg`; LoRA if cfg.lora_rank."""
     if seed is not None:
         torch.manual_seed(seed)
@@ -175,7 +190,7 @@ def build_backbone(cfg: ModelConfig, tokenizer: Any, seed: int | None = None) ->
     return add_lora(model, cfg)
 
 
-def add_lora(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
+def add_lora(model: PreTrainedModel, cfg: ModelConfig) -> PreTrainedModel:
     """LoRA adapters (peft) on cfg.lora_targets, injected in place so the model keeps its class, `model.model`,
     `lm_head` and config (what the losses and decoders use). Trainable: the adapters and the embeddings / head
     (the project vocabulary is new to the backbone). No-op when cfg.lora_rank is 0."""
@@ -213,7 +228,7 @@ def n_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def convert_to_diffusion(model: LlamaForCausalLM, block_size: int, mask_id: int) -> LlamaForCausalLM:
+def convert_to_diffusion(model: PreTrainedModel, block_size: int, mask_id: int) -> PreTrainedModel:
     """AR -> block diffusion (docs/PAPER.md, Conversion): an exact copy of every tensor; only the config changes.
 
     Block-causal attention and the token shift are applied by the callers (losses, decoder), driven by
@@ -231,7 +246,7 @@ def convert_to_diffusion(model: LlamaForCausalLM, block_size: int, mask_id: int)
     return out
 
 
-def save_model(model: LlamaForCausalLM, out_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
+def save_model(model: PreTrainedModel, out_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
     """`save_pretrained` (safetensors) plus `gr2_model.json` (our ModelConfig, block size, special ids).
 
     LoRA adapters are merged into the weights first (in place: call it when training is done), so a saved model
@@ -258,7 +273,7 @@ def save_model(model: LlamaForCausalLM, out_dir: str | Path, extra: dict[str, An
 
 def load_model(
     path: str | Path, device: str | torch.device = "cpu"
-) -> tuple[LlamaForCausalLM, dict[str, Any]]:
+) -> tuple[PreTrainedModel, dict[str, Any]]:
     """Load a model saved by `save_model`; returns (model in eval mode, our meta dict)."""
     path = Path(path)
     model = AutoModelForCausalLM.from_pretrained(  # a Llama, or the class of a pretrained backbone
@@ -266,7 +281,7 @@ def load_model(
     )
     meta_path = path / META_FILE
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps .to with functools.wraps, typed as if self were the device
     return model, meta
 
 

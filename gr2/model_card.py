@@ -9,6 +9,7 @@ bundle and the report; nothing is typed in by hand.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,7 @@ def _short(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def write_model_cards(bundles: dict[str, str | Path], report: dict, out_dir: str | Path) -> list[Path]:
+def write_model_cards(bundles: Mapping[str, str | Path], report: dict, out_dir: str | Path) -> list[Path]:
     """`out_dir/model_cards/<name>.md` for every bundle; returns the paths."""
     out = Path(out_dir) / "model_cards"
     out.mkdir(parents=True, exist_ok=True)

@@ -215,15 +215,17 @@ def parse_response(
     Checks, in order: an answer object exists ('{'), it is JSON with a "ranking" list, its length is not above
     N, every label is one of the N candidates, no label repeats, none is missing.
     """
-    if not isinstance(response, str):
-        if tokenizer is None:
-            raise ValueError("parse_response needs the tokenizer to decode token ids")
-        response = tokenizer.decode(list(response), skip_special_tokens=True)
-    start = response.find("{")
+    if isinstance(response, str):
+        text = response
+    elif tokenizer is None:
+        raise ValueError("parse_response needs the tokenizer to decode token ids")
+    else:
+        text = tokenizer.decode(list(response), skip_special_tokens=True)
+    start = text.find("{")
     if start < 0:
         return ParseResult(None, MISSING_ANSWER, "no '{' in the response")
     try:
-        obj, _ = json.JSONDecoder().raw_decode(response[start:])
+        obj, _ = json.JSONDecoder().raw_decode(text[start:])
     except json.JSONDecodeError as e:
         return ParseResult(None, UNPARSEABLE, str(e))
     if not isinstance(obj, dict) or "ranking" not in obj:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from gr2.decode import ar_generate, ban_repeats, diffusion_generate, pad_prompts, threshold_commits
 from gr2.losses import Batch, certainty_entropy, diffusion_logits, sample_masks
-from gr2.model import block_causal_mask, position_ids_for
+from gr2.model import block_causal_mask, decoder_and_head, position_ids_for
 
 
 @dataclass
@@ -315,14 +315,15 @@ def _replay_logits(
     P, R = batch.prompt_len, batch.resp_len
     ids, pad_lens = batch.input_ids, batch.pad_lens
     dev = ids.device
+    decoder, head = decoder_and_head(model)
     if block_size <= 0:
         cols = torch.arange(P + R, device=dev)
-        hidden = model.model(
+        hidden = decoder(
             input_ids=ids,
             attention_mask=(cols[None, :] >= pad_lens[:, None]).long(),
             position_ids=position_ids_for(pad_lens, cols),
         ).last_hidden_state
-        return model.lm_head(hidden[:, P - 1 : P + R - 1])
+        return head(hidden[:, P - 1 : P + R - 1])
     if mask_id is None:
         raise ValueError("trajectory replay needs mask_id")
     bs = block_size
@@ -340,7 +341,7 @@ def _replay_logits(
         ],
         dim=1,
     )
-    hidden = model.model(
+    hidden = decoder(
         input_ids=seq, attention_mask=replay_mask(P, Rb, cblock, bs, pad_lens), position_ids=pos
     ).last_hidden_state
     # Source column of each token's logits (token shift): a block's first position, or a token without a
@@ -350,7 +351,7 @@ def _replay_logits(
     in_canvas = P + Rb + where.clamp(min=0) * bs + (rr % bs)[None, :] - 1
     src = torch.where(where >= 0, in_canvas, src)
     h = hidden.gather(1, src[:, :R, None].expand(-1, -1, hidden.shape[-1]))
-    return model.lm_head(h)
+    return head(h)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -445,7 +446,7 @@ def grpo_loss(
     if certainty_weight > 0 and (block_size <= 0 or mask_id is None or eos_id is None):
         raise ValueError("certainty forcing needs a block-diffusion model, mask_id and eos_id")
     if not bool((batch.advantages != 0).any()):
-        loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        loss = torch.stack([p.sum() for p in model.parameters() if p.requires_grad]).sum() * 0.0
         stats = {"clip_frac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0}
     else:
         logits = policy_logits(model, batch, block_size, mask_id, unique)
@@ -453,7 +454,7 @@ def grpo_loss(
         loss, stats = clipped_surrogate(
             lp, batch.old_logprobs, batch.advantages, batch.scored, clip_eps, clip_eps_high
         )
-    if certainty_weight > 0:
+    if certainty_weight > 0 and mask_id is not None and eos_id is not None:  # (both checked above)
         rng = torch.Generator().manual_seed(max(batch.step, 0))
         cf = rollout_certainty(model, batch, block_size, mask_id, eos_id, rng)
         loss = loss + certainty_weight * cf

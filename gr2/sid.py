@@ -49,7 +49,7 @@ def sid_token(level: int, code: int) -> str:
 class SemanticIds:
     """Item -> 4 codes, the vocabulary size per level, and quality stats (uniqueness, usage)."""
 
-    codes: dict[str, tuple[int, int, int, int]]
+    codes: dict[str, tuple[int, ...]]  # item id -> its 4 codes
     codebook_sizes: tuple[int, int, int, int]  # last = max items sharing a 3-code prefix
     stats: dict = field(default_factory=dict)
 

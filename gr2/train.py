@@ -91,7 +91,8 @@ class BucketedBatches:
         self.items, self.batch_size, self.collate_fn = items, batch_size, collate_fn
         self.seed, self.window = seed, batch_size * bucket_factor
         self.steps_per_epoch = math.ceil(len(items) / batch_size)
-        self._epoch, self._order = -1, []
+        self._epoch = -1
+        self._order: list[list[int]] = []  # the current epoch's batches (item indices)
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
         rng = random.Random(self.seed * 1_000_003 + epoch)

@@ -67,9 +67,9 @@ def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> 
         raise SystemExit(f"no examples in split {split!r}")
     bundles = find_bundles(run, [a, b])
     ranks = {name: rankings(load(bundles[name]), df, tau, profile) for name in (a, b)}
-    kw = {"n_boot": profile.bootstrap_samples, "seed": profile.seed}
-    row_a = evaluate(df, ranks[a], floor_rankings=ranks[b], **kw)
-    row_b = evaluate(df, ranks[b], **kw)
+    n_boot, seed = profile.bootstrap_samples, profile.seed
+    row_a = evaluate(df, ranks[a], floor_rankings=ranks[b], n_boot=n_boot, seed=seed)
+    row_b = evaluate(df, ranks[b], n_boot=n_boot, seed=seed)
     metrics = {
         m: {
             a: row_a[m],

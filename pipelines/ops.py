@@ -167,7 +167,7 @@ def upload(
 
     pid = pipeline_id(client, pipeline_name)
     created = pid is None
-    if created:
+    if pid is None:
         # Not client.upload_pipeline: it would add a version named after the pipeline (#5881), not the sha.
         ns = client.get_user_namespace() or None
         pipe = client.pipelines.pipeline_service_create_pipeline(

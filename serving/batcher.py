@@ -54,14 +54,13 @@ class MicroBatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._worker: asyncio.Task | None = None
 
-    def _ensure_worker(self) -> asyncio.Queue:
+    def _ensure_worker(self) -> asyncio.Queue[_Item]:
         loop = asyncio.get_running_loop()
-        if self._loop is not loop or self._worker is None or self._worker.done():
+        if self._queue is None or self._loop is not loop or self._worker is None or self._worker.done():
             # (re)bind to the running loop: a queue belongs to the loop it was created on
             self._loop = loop
             self._queue = asyncio.Queue()
-            self._worker = loop.create_task(self._run())
-        assert self._queue is not None
+            self._worker = loop.create_task(self._run(self._queue))
         return self._queue
 
     async def submit(self, request: RankRequest, decoder: str, tau: float) -> Timed:
@@ -70,7 +69,7 @@ class MicroBatcher:
         await queue.put(_Item(request, decoder, tau, fut))
         return await fut
 
-    async def _collect(self, queue: asyncio.Queue) -> list[_Item]:
+    async def _collect(self, queue: asyncio.Queue[_Item]) -> list[_Item]:
         batch = [await queue.get()]
         deadline = time.perf_counter() + self.max_wait
         while len(batch) < self.max_batch:
@@ -88,8 +87,7 @@ class MicroBatcher:
                 break
         return batch
 
-    async def _run(self) -> None:
-        queue = self._queue
+    async def _run(self, queue: asyncio.Queue[_Item]) -> None:
         loop = asyncio.get_running_loop()
         while True:
             batch = await self._collect(queue)

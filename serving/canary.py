@@ -196,32 +196,32 @@ def judge(
             f"the canary received {canary['requests'] or 0:.0f} requests (< min_requests {cfg.min_requests})"
         ]
     # no stable revision or no stable data: a perfect baseline
-    base = {"error_rate": 0.0, "validity": 1.0, "fallback_rate": 0.0, "p99_latency_s": None}
+    base: dict[str, float] = {"error_rate": 0.0, "validity": 1.0, "fallback_rate": 0.0}
     base.update({k: v for k, v in (stable or {}).items() if v is not None})
     fails = []
-    if canary["error_rate"] > base["error_rate"] + cfg.max_error_rate_increase:
+    # error_rate is None only when the canary received no request (possible with min_requests 0): nothing to compare
+    error_rate = canary["error_rate"]
+    if error_rate is not None and error_rate > base["error_rate"] + cfg.max_error_rate_increase:
         fails.append(
-            f"error rate {canary['error_rate']:.3f} > stable {base['error_rate']:.3f} + {cfg.max_error_rate_increase}"
+            f"error rate {error_rate:.3f} > stable {base['error_rate']:.3f} + {cfg.max_error_rate_increase}"
         )
-    p99, bound = canary["p99_latency_s"], None
-    if base["p99_latency_s"] is not None:
-        bound = base["p99_latency_s"] * cfg.max_p99_ratio + cfg.p99_slack_s
+    p99, stable_p99 = canary["p99_latency_s"], base.get("p99_latency_s")
+    bound = None if stable_p99 is None else stable_p99 * cfg.max_p99_ratio + cfg.p99_slack_s
     if p99 is None:
         fails.append("no answered request to measure the canary's latency")
     elif bound is not None and p99 > bound:
         fails.append(
-            f"p99 latency {p99:.3f}s > stable {base['p99_latency_s']:.3f}s * {cfg.max_p99_ratio} + {cfg.p99_slack_s}s"
+            f"p99 latency {p99:.3f}s > stable {stable_p99:.3f}s * {cfg.max_p99_ratio} + {cfg.p99_slack_s}s"
         )
-    if canary["validity"] is None:
+    validity, fallback_rate = canary["validity"], canary["fallback_rate"]
+    if validity is None or fallback_rate is None:  # both are None exactly when there were no rankings
         fails.append("no rankings to measure the canary's validity")
     else:
-        if canary["validity"] < base["validity"] - cfg.max_validity_drop:
+        if validity < base["validity"] - cfg.max_validity_drop:
+            fails.append(f"validity {validity:.3f} < stable {base['validity']:.3f} - {cfg.max_validity_drop}")
+        if fallback_rate > base["fallback_rate"] + cfg.max_fallback_increase:
             fails.append(
-                f"validity {canary['validity']:.3f} < stable {base['validity']:.3f} - {cfg.max_validity_drop}"
-            )
-        if canary["fallback_rate"] > base["fallback_rate"] + cfg.max_fallback_increase:
-            fails.append(
-                f"fallback rate {canary['fallback_rate']:.3f} > stable {base['fallback_rate']:.3f} + {cfg.max_fallback_increase}"
+                f"fallback rate {fallback_rate:.3f} > stable {base['fallback_rate']:.3f} + {cfg.max_fallback_increase}"
             )
     if agree is not None and agree < cfg.min_agreement:
         fails.append(f"ranking agreement {agree:.3f} < {cfg.min_agreement} (top-{cfg.agreement_k} overlap)")

@@ -54,6 +54,8 @@ def load_instances(
             {"user_id": str(r.user_id), "history": list(r.history), "candidates": list(r.candidates)}
             for r in df.itertuples()
         ]
+    if model_dir is None:
+        raise ValueError("load_instances needs examples or a model directory (its items.txt)")
     items = [ln.strip() for ln in (Path(model_dir) / "items.txt").read_text().splitlines() if ln.strip()]
     return [
         {"user_id": f"u{k}", "history": rng.sample(items, 5), "candidates": rng.sample(items, n_candidates)}

@@ -90,6 +90,7 @@ class RerankPredictor(kserve.Model):
 
     def load(self) -> bool:
         if self.reranker is None:
+            assert self.model_uri is not None  # __init__: exactly one of model_uri or reranker
             self.reranker = load_reranker(fetch_model_dir(self.model_uri))
         self.batcher = MicroBatcher(self.reranker.rank, self.cfg.max_batch, self.cfg.max_wait_ms)
         self.ready = True
@@ -103,25 +104,28 @@ class RerankPredictor(kserve.Model):
         """Validate every instance for the model first (all-or-nothing), then decode them concurrently via the
         batcher."""
         t0 = time.perf_counter()
+        reranker, batcher = self.reranker, self.batcher
+        if reranker is None or batcher is None:  # load() sets both; kserve routes only to a ready model
+            raise RuntimeError(f"model {self.name!r} is not loaded")
         parsed = [
-            parse_instance(raw, f"{request.where}[{i}]", self.reranker, self.cfg, request.options)
+            parse_instance(raw, f"{request.where}[{i}]", reranker, self.cfg, request.options)
             for i, raw in enumerate(request.instances)
         ]
         # The decoders this model can run: e.g. "spec" needs a model that carries its verifier.
-        can = getattr(self.reranker, "decoders", DECODERS)
+        can = getattr(reranker, "decoders", DECODERS)
         for i, (_, opts, _) in enumerate(parsed):
             if opts.decoder not in can:
                 raise BadRequest(
                     f"{request.where}[{i}].decoder: {opts.decoder!r} is not available for this model ({list(can)})"
                 )
-        timed = await asyncio.gather(*(self.batcher.submit(req, o.decoder, o.tau) for req, o, _ in parsed))
+        timed = await asyncio.gather(*(batcher.submit(req, o.decoder, o.tau) for req, o, _ in parsed))
         total = (time.perf_counter() - t0) * 1000
         return [
             format_result(
                 req,
                 t.result,
                 opts,
-                self.reranker.name,
+                reranker.name,
                 {"queue": round(t.queue_ms, 3), "model": round(t.model_ms, 3), "total": round(total, 3)},
                 {
                     "batch_size": t.batch_size,

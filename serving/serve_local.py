@@ -60,9 +60,11 @@ def running(args: list[str], model_name: str, log: Path | None = None) -> Iterat
     """Run `python -m serving.serve_local <args>` (args must set --port) until the block exits; yields its URL
     once /v1/models/<model_name> answers. Output goes to `log` (or is discarded)."""
     port = args[args.index("--port") + 1]
-    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in finally)
+    out = open(log, "w") if log else None  # noqa: SIM115 (closed in finally)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serving.serve_local", *args], stdout=out, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "serving.serve_local", *args],
+        stdout=subprocess.DEVNULL if out is None else out,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -71,7 +73,7 @@ def running(args: list[str], model_name: str, log: Path | None = None) -> Iterat
     finally:
         proc.terminate()
         proc.wait(timeout=15)
-        if log:
+        if out is not None:
             out.close()
 
 

@@ -17,13 +17,16 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import kserve
 from kserve.protocol.infer_type import InferRequest
 
 from serving.schema import BadRequest, ServeConfig, UpstreamError, reply, request_instances, shown
+
+if TYPE_CHECKING:
+    from feast import FeatureStore
 
 FEATURE_SERVICE = "reranker_v1"
 
@@ -53,7 +56,7 @@ class FeastTransformer(kserve.Model):
             raise ValueError("set exactly one of feast_repo or feast_url")
         self.cfg = cfg
         self.serve_cfg = serve_cfg or ServeConfig()
-        self.store = None
+        self.store: FeatureStore | None = None
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
 
@@ -61,8 +64,8 @@ class FeastTransformer(kserve.Model):
         if self.cfg.feast_repo is not None:
             from feast import FeatureStore  # lazy: slow import, and the HTTP path does not need it
 
-            kw = {"fs_yaml_file": Path(self.cfg.feast_yaml)} if self.cfg.feast_yaml else {}
-            self.store = FeatureStore(repo_path=self.cfg.feast_repo, **kw)
+            yaml = Path(self.cfg.feast_yaml) if self.cfg.feast_yaml else None
+            self.store = FeatureStore(repo_path=self.cfg.feast_repo, fs_yaml_file=yaml)
             self._service = self.store.get_feature_service(self.cfg.feature_service)
         self.ready = True
         return self.ready
@@ -98,21 +101,25 @@ class FeastTransformer(kserve.Model):
     # --- features -----------------------------------------------------------------------------
     async def online_features(self, rows: list[dict[str, str]]) -> dict[str, list[Any]]:
         """Column dict for entity rows [{user_id, item_id}] from the feature service."""
-        if self.store is not None:
+        store = self.store
+        if store is not None:
             try:
                 return await asyncio.to_thread(
-                    lambda: self.store.get_online_features(features=self._service, entity_rows=rows).to_dict()
+                    lambda: store.get_online_features(features=self._service, entity_rows=rows).to_dict()
                 )
             except Exception as e:  # the online store (sqlite, Redis) failed: not the client's fault
                 raise UpstreamError(
                     f"feature store: lookup failed ({type(e).__name__}: {shown(str(e), 200)})", 503
                 ) from e
+        url = self.cfg.feast_url
+        if url is None:  # a feast_repo transformer whose load() has not run
+            raise RuntimeError("the feature store is not loaded")
         body = {
             "feature_service": self.cfg.feature_service,
             "entities": {"user_id": [r["user_id"] for r in rows], "item_id": [r["item_id"] for r in rows]},
             "full_feature_names": False,
         }
-        r = await self._post("feature server", f"{self.cfg.feast_url.rstrip('/')}/get-online-features", body)
+        r = await self._post("feature server", f"{url.rstrip('/')}/get-online-features", body)
         try:
             if r.status_code != 200:
                 raise ValueError(f"HTTP {r.status_code}")

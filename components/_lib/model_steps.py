@@ -14,6 +14,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,7 @@ def distill(
 def evaluate(
     examples_path: str | Path,
     floor_report_dir: str | Path,
-    bundles: dict[str, str | Path],
+    bundles: Mapping[str, str | Path],
     out_dir: str | Path,
     profile: str | Profile,
     sft_dir: str | Path | None = None,

@@ -52,6 +52,8 @@ def deploy(
         raise RuntimeError("deploy called for a model that did not pass the gate")
     report = read_report(decision_dir)
     row = find_row(report["rows"], dec["candidate"])
+    if row is None:
+        raise RuntimeError(f"the evaluation report has no row for the gated candidate {dec['candidate']!r}")
     record = {
         "model": dec["candidate"],
         "run_id": run_id,

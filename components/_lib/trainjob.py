@@ -222,8 +222,8 @@ def run_trainjob(
         trainer, options = trainjob_request(step, job_kwargs, nodes, gpus_per_node, name)
         client.train(runtime=RUNTIME, trainer=trainer, options=options)
     client.wait_for_job_status(name, timeout=TIMEOUT_S, polling_interval=POLL_S)
-    for k, dst in outputs.items():
-        shutil.copytree(work / "out" / k, dst, dirs_exist_ok=True)
+    for k, out_path in outputs.items():
+        shutil.copytree(work / "out" / k, out_path, dirs_exist_ok=True)
     return train_summary(step, outputs)
 
 

@@ -276,7 +276,7 @@ def _run_suite(ctx, name: str, expectations: list, df: pd.DataFrame) -> SuiteRes
         out = r.result or {}
         if "unexpected_count" in out:
             detail = f"{out['unexpected_count']} of {out.get('element_count', len(df))} rows unexpected"
-            examples = [
+            examples: list[Any] = [
                 v if isinstance(v, str) else str(v) for v in out.get("partial_unexpected_list", [])[:5]
             ]
         else:

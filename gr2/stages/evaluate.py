@@ -15,6 +15,7 @@ import gc
 import logging
 import math
 import statistics
+from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
@@ -139,20 +140,21 @@ def speed_table(
             base_tps = [tokens[base] / max(sec[base], 1e-9) for sec in seconds]
             speedup, ci = _geometric_ci([math.log(a / b) for a, b in zip(tps, base_tps, strict=True)])
             nfe_seq = nfe[i] / len(chunks)  # nfe counts forwards per decode call (a batch)
+            tokens_per_forward = tokens[i] / len(prompts) / max(nfe_seq, 1e-9)
             row = {
                 "model": name,
                 "tau": tau,
                 "batch": batch,
                 "tokens_per_s": statistics.median(tps),
                 "nfe_per_seq": nfe_seq,
-                "tokens_per_forward": tokens[i] / len(prompts) / max(nfe_seq, 1e-9),
+                "tokens_per_forward": tokens_per_forward,
                 "n_sequences": len(prompts),
                 "seconds": sum(sec[i] for sec in seconds),
                 "repeats": repeats,
                 "speedup_vs_ar": speedup,
                 "speedup_ci95": ci,
             }
-            row["ideal_speedup"] = row["tokens_per_forward"] / (
+            row["ideal_speedup"] = tokens_per_forward / (
                 tokens[base] / len(prompts) / (nfe[base] / len(chunks))
             )
             if verify[i]:  # spec: tokens kept per verifier forward (prefill included), the acceptance length
@@ -162,7 +164,7 @@ def speed_table(
 
 
 def evaluate_generative(
-    bundles: dict[str, str | Path], test: pd.DataFrame, profile: Profile
+    bundles: Mapping[str, str | Path], test: pd.DataFrame, profile: Profile
 ) -> tuple[list[dict], list[dict]]:
     """Rows for every bundle (AR models decoded AR; diffusion models at each tau, naive and opd at eval_tau),
     a `spec` row, and the speed list.

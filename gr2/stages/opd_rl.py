@@ -29,6 +29,7 @@ import torch
 
 from gr2.config import OPDConfig, Profile, RLConfig, TrainConfig
 from gr2.generative import GenerativeReranker, load_bundle_parts, load_verifier
+from gr2.losses import Batch
 from gr2.model import add_lora
 from gr2.opd import make_opd_batch, opd_loss
 from gr2.reward import response_reward
@@ -190,7 +191,9 @@ class LoggedLoss:
     def __init__(self, fn, path: Path):
         self.fn, self.path = fn, path
 
-    def __call__(self, model, batch: RolloutBatch, rng) -> torch.Tensor:
+    def __call__(self, model, batch: Batch, rng) -> torch.Tensor:
+        if not isinstance(batch, RolloutBatch):  # what RLBatches / OPDBatches make
+            raise TypeError(f"the on-policy losses need a RolloutBatch, got {type(batch).__name__}")
         loss, stats = self.fn(model, batch)
         # Rank 0 logs its own rollouts; "step" is the micro-batch index (gr2/train.py).
         if process_state().is_main_process:

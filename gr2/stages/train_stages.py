@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import PreTrainedModel
 
 from gr2.config import Profile, TrainConfig
 from gr2.generative import GenerativeReranker, load_bundle_parts, save_bundle
@@ -42,12 +43,12 @@ def _fit(
 
 def write_bundle(
     out_dir: str | Path,
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     tok,
     sids,
     ev,
     meta: dict,
-    verifier: torch.nn.Module | None = None,
+    verifier: PreTrainedModel | None = None,
 ) -> Path:
     """save_bundle on rank 0 only: a stage may run in N processes (gr2/train.py); every rank waits for it."""
     state = process_state()

@@ -48,9 +48,10 @@ smoke-pretrained: install $(SMOLLM2_GGUF) ## whole DAG on a 40-user slice with t
 		--command "make smoke-pretrained"
 	test -s runs/smoke-pretrained/report.json
 
-lint: install ## ruff check + format check
+lint: install ## ruff check + format check + mypy (the package code: [tool.mypy] in pyproject.toml)
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	.venv/bin/mypy
 
 format: install ## apply ruff fixes and formatting
 	.venv/bin/ruff check --fix .

@@ -236,6 +236,11 @@ class RLConfig:
     # entropy at masked rollout positions the student already predicts right, so RL keeps the tokens per forward
     # that CFT's certainty forcing bought (diffusion.certainty_weight). 0 = off.
     certainty_weight: float = 0.0
+    # Validation lists (seeded sample of split "val"; 0 = no check) on which the RL weights must score at least
+    # the parent's recall@1 (greedy, tau as above) to replace them; otherwise the stage keeps the parent's weights
+    # and says so in its bundle metadata ("validation"). RL that raises the training reward can lower recall on
+    # lists it never saw (README: RL).
+    val_lists: int = 500
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,7 @@ def ar_generate(
             logits_to_keep=1,  # the LM head on the last column only (the prefill would project all P)
         ).logits[:, -1]
         nfe += 1
-        if seen is not None and unique is not None:  # (both or neither)
+        if seen is not None and unique is not None and bool(seen.any()):  # nothing to ban before a label
             logits = ban_repeats(logits[:, None], seen[:, None], unique)[:, 0]
         if pick is None:
             tok = logits.argmax(-1)
@@ -191,16 +191,16 @@ def threshold_commits(conf: torch.Tensor, masked: torch.Tensor, tau: float) -> t
 
 def select_commits(
     logits: torch.Tensor, masked: torch.Tensor, tau: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy commits: `threshold_commits` with confidence = top-1 probability, tokens = arg-max.
 
     logits [B, C, V] (already token-shifted: row j predicts canvas position j), masked [B, C].
-    Returns (commit [B, C] bool, greedy tokens [B, C]).
+    Returns (commit [B, C] bool, greedy tokens [B, C], their log-probs [B, C]): a `CommitRule`.
     """
     # The same ops as gr2/rl.py's temperature-0 pick (max of log_softmax), so greedy decoding and greedy RL
     # rollouts commit identically; one fused log_softmax is also faster on the CPU than max + logsumexp.
     top_lp, pred = logits.float().log_softmax(-1).max(-1)
-    return threshold_commits(top_lp.exp(), masked, tau), pred
+    return threshold_commits(top_lp.exp(), masked, tau), pred, top_lp
 
 
 def seen_before(tokens: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:
@@ -246,20 +246,21 @@ def _commit_round(
     """One commit round, shared by the diffusion loops: the commit rule on the token-shifted logits [B, c, V] of
     the block's first c positions, then its bookkeeping in place: the committed tokens into `block`, `rnd` into
     `traj`, their log-probs into `logprobs` (all three: the block's columns) and `committed` [B, cl].
-    unique / seen [B, K]: the tokens written at most once, and which of them the earlier blocks hold.
+    unique / seen [B, K]: the tokens written at most once, and which of them the response holds so far (updated
+    in place with this round's commits).
     Returns whether an eos was committed (only then can a row have finished)."""
     c = shifted.shape[1]
     masked = ~committed[:, :c]
-    if unique is not None:  # ban what earlier blocks and this block's committed positions hold
-        here = ((block[:, :, None] == unique) & committed[:, :, None]).any(1)
-        shifted = ban_repeats(shifted, (here if seen is None else seen | here)[:, None], unique)
-    if commit_fn is None:  # the module global, looked up per round (tests spy on it)
-        commit, pred = select_commits(shifted, masked, tau)
-    else:
-        commit, pred, lp = commit_fn(shifted, masked, tau)
-    if unique is not None:
-        conf = shifted.float().log_softmax(-1).gather(-1, pred[..., None])[..., 0]
-        commit = one_of_each(commit, pred, conf, unique)
+    if seen is not None and unique is not None and bool(seen.any()):  # the trace holds none: no ban there
+        shifted = ban_repeats(shifted, seen[:, None], unique)
+    # the module global, looked up per round (tests spy on it)
+    commit, pred, lp = (select_commits if commit_fn is None else commit_fn)(shifted, masked, tau)
+    if seen is not None and unique is not None:  # ban what the response holds already
+        new = commit & torch.isin(pred, unique)
+        if bool((new.sum(-1) > 1).any()):  # two positions may pick one label: the more confident commits
+            commit = one_of_each(commit, pred, lp, unique)
+            new &= commit
+        seen |= ((pred[..., None] == unique) & new[..., None]).any(1)
     if commit_fn is not None and logprobs is not None:
         logprobs[:, :c][commit] = lp[commit]
     block[:, :c][commit] = pred[commit]
@@ -330,6 +331,7 @@ def diffusion_generate(
     resp = seq[:, P:]  # a view: the response as it is decoded
     traj = torch.full((B, L), -1, dtype=torch.long, device=seq.device)
     done = torch.zeros(B, dtype=torch.bool, device=seq.device)
+    seen = None if unique is None else torch.zeros(B, len(unique), dtype=torch.bool, device=seq.device)
     cache, anchor = _prefill(model, seq, attn, pos, P)
     nfe, rnd, end = 1, 0, 0
     # Every response row's attention over prompt + response, built once; each block's masks are slices of it.
@@ -341,7 +343,6 @@ def diffusion_generate(
         cl = end - s0
         block, committed = resp[:, s0:end], done[:, None].repeat(1, cl)
         block[done] = fill
-        seen = None if unique is None else (resp[:, :s0, None] == unique).any(1)
         back = min(s0, block_size)  # the finished block, fed again by this block's first forward
         first_mask = rows[:, :, s0 - back : end, : P + end].contiguous()  # [finished block, canvas] rows
         canvas_mask = first_mask[:, :, back:].contiguous()
@@ -402,6 +403,7 @@ def diffusion_generate_nocache(
     resp = seq[:, P:]
     traj = torch.full((B, L), -1, dtype=torch.long, device=seq.device)
     done = torch.zeros(B, dtype=torch.bool, device=seq.device)
+    seen = None if unique is None else torch.zeros(B, len(unique), dtype=torch.bool, device=seq.device)
     nfe, rnd, end = 0, 0, 0
     for s0 in range(0, L, block_size):
         if bool(done.all()):
@@ -410,7 +412,6 @@ def diffusion_generate_nocache(
         cl = end - s0
         block, committed = resp[:, s0:end], done[:, None].repeat(1, cl)
         block[done] = fill
-        seen = None if unique is None else (resp[:, :s0, None] == unique).any(1)
         eos_seen = False
         while not bool(committed.all()):
             T = P + end
@@ -491,10 +492,13 @@ def spec_generate(
         kept[done] = True
         block[done] = fill
         canvas_mask = rows[:, :, s0:end, : P + end].contiguous()
-        seen = None if unique is None else (resp[:, :s0, None] == unique).any(1)
         while not bool(kept.all()):
             # Draft: commit rounds until no position is open (which round committed what is not kept).
             drafted = kept.clone()
+            seen = None  # the labels the response holds: earlier blocks and this block's kept prefix
+            if unique is not None:
+                held = torch.cat([resp[:, :s0], block.masked_fill(~kept, mask_id)], dim=1)
+                seen = (held[:, :, None] == unique).any(1)
             while not bool(drafted.all()):
                 if d_stored < s0 or not bool(drafted[:, 1:].all()):
                     # A model's first forward of a block also feeds the finished blocks not yet in its cache.

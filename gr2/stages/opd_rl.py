@@ -34,6 +34,7 @@ from gr2.model import add_lora
 from gr2.opd import make_opd_batch, opd_loss
 from gr2.reward import response_reward
 from gr2.rl import RolloutBatch, group_advantages, grpo_loss, rollout_batch, sample
+from gr2.stages.evaluate import decode_answers
 from gr2.stages.prepare import SFTData
 from gr2.stages.train_stages import write_bundle
 from gr2.train import LOG_FILE, TrainResult, latest_checkpoint, process_state, train, truncate_log
@@ -333,6 +334,25 @@ def train_opd(
     return write_bundle(out / "bundle", student, tok, sids, ev, meta, verifier=teacher)
 
 
+def validation_lists(examples: pd.DataFrame, n: int, seed: int) -> pd.DataFrame:
+    """A seeded sample of at most `n` validation lists (split "val"); empty when n is 0 or there are none."""
+    val = examples[examples["split"] == "val"]
+    if n <= 0:
+        return val.iloc[:0]
+    return val.sample(n=n, random_state=seed).sort_index() if len(val) > n else val
+
+
+def validation_recall(
+    reranker: GenerativeReranker, val: pd.DataFrame, decoder: str, tau: float, profile: Profile
+) -> float | None:
+    """recall@1 of greedy decoding on `val` as the evaluation scores it (invalid -> retriever order); None when
+    there are no lists."""
+    if val.empty:
+        return None
+    answers, _ = decode_answers(reranker, val, decoder, tau, profile)
+    return float(np.mean([a[0][0] == y for a, y in zip(answers, val["label"], strict=True)]))
+
+
 def rl_config(profile: Profile, block_size: int) -> RLConfig:
     """The RL config for a bundle's decoder. The DAG runs the one `rl` step twice and the input bundle's
     block size picks the config: the AR teacher (block_size 0, GR2 stage 3 after SFT) trains under
@@ -381,7 +401,14 @@ def train_rl(
         eos_id=tok.eos_token_id,
         unique=rr.unique,
     )
+    val = validation_lists(examples, rc.val_lists, profile.seed)
+    decoder = "diffusion" if bs > 0 else "ar"
+    before = validation_recall(rr, val, decoder, rc.tau, profile)
     res = _run(model, batches, lambda m, b: fn(m, b), _train_cfg(rc, profile.seed), out / "train")
+    after = validation_recall(rr, val, decoder, rc.tau, profile)
+    kept = "rl" if before is None or after >= before else "parent"
+    if kept == "parent":  # RL lowered recall on lists it never trained on: serve the parent's weights
+        model = load_bundle_parts(bundle)[0]
     meta = {
         **cfg,
         "name": "rl" if bs > 0 else "ar",
@@ -389,6 +416,7 @@ def train_rl(
         "parent": str(bundle),
         "rl_config": asdict(rc),
         "train": _summary(res, out / "train"),
+        "validation": {"lists": len(val), "recall@1_parent": before, "recall@1_rl": after, "kept": kept},
     }
-    log.info("train_rl (block_size %d): %s", bs, meta["train"])
+    log.info("train_rl (block_size %d): %s; validation %s", bs, meta["train"], meta["validation"])
     return write_bundle(out / "bundle", model, tok, sids, ev, meta, verifier=load_verifier(bundle))

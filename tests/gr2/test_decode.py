@@ -130,13 +130,14 @@ def test_select_commits_rule():
         ]
     )
     masked = torch.tensor([[True, True, False, True], [True, True, True, False]])
-    commit, pred = select_commits(probs.log(), masked, tau=0.9)
+    commit, pred, lp = select_commits(probs.log(), masked, tau=0.9)
+    assert torch.allclose(lp, probs.max(-1).values.log())  # the log-prob of each greedy token: a CommitRule
     assert commit.tolist() == [
         [True, False, False, False],
         [False, True, False, False],
     ]  # row 1: forced argmax
     assert pred[1, 3] == 1
-    commit, _ = select_commits(probs.log(), torch.zeros_like(masked), tau=0.0)
+    commit, _, _ = select_commits(probs.log(), torch.zeros_like(masked), tau=0.0)
     assert not commit.any()
 
 
@@ -146,9 +147,9 @@ def test_tau_one_commits_only_forced_or_certain(models, monkeypatch):
     seen = []
 
     def spy(logits, masked, tau):
-        commit, pred = select_commits(logits, masked, tau)
+        commit, pred, lp = select_commits(logits, masked, tau)
         seen.append((logits.float().softmax(-1).max(-1).values, commit, tau))
-        return commit, pred
+        return commit, pred, lp
 
     monkeypatch.setattr(dec, "select_commits", spy)
     for tau in (1.0, 0.8):

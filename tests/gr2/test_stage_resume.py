@@ -157,3 +157,29 @@ def test_stage_resumes_after_sigkill_to_the_uninterrupted_weights_and_logs(bundl
         for r, u in zip(resumed, uninterrupted, strict=True):
             for k in r:  # the same values, floats within 1e-6
                 assert r[k] == u[k] or abs(r[k] - u[k]) <= 1e-6, (log, r["step"], k, r[k], u[k])
+
+
+@pytest.mark.parametrize("scores,kept", [((0.5, 0.4), "parent"), ((0.4, 0.4), "rl")])
+def test_rl_keeps_its_parent_when_validation_recall_drops(bundles, tmp_path, monkeypatch, scores, kept):
+    """RL replaces the parent's weights only if recall@1 on the validation lists does not drop (ties keep RL);
+    the bundle metadata says which weights it holds and why."""
+    calls = iter(scores)  # the parent's validation recall, then the RL weights'
+    monkeypatch.setattr(opd_rl, "validation_recall", lambda *a: next(calls))
+    bundle = run("rl", bundles, tmp_path / "rl")
+    v = json.loads((bundle / "reranker.json").read_text())["validation"]
+    assert v["kept"] == kept and (v["recall@1_parent"], v["recall@1_rl"]) == scores and v["lists"] > 0
+    got = load_file(bundle / "model" / "model.safetensors")
+    parent = load_file(bundles / "naive" / "model" / "model.safetensors")
+    assert all(torch.equal(got[k], w) for k, w in parent.items()) == (kept == "parent")
+
+
+def test_validation_recall_is_the_evaluation_recall(bundles):
+    from gr2.stages.evaluate import decode_rows, load
+
+    prof = load_profile("quick", OVERRIDES)
+    val = opd_rl.validation_lists(pd.read_pickle(bundles / "examples.pkl"), 25, prof.seed)
+    assert 0 < len(val) <= 25 and set(val["split"]) == {"val"}
+    rr = load(bundles / "ar")
+    got = opd_rl.validation_recall(rr, val, "ar", 1.0, prof)
+    assert got == pytest.approx(decode_rows(rr, val, "ar", None, prof)["recall@1"])
+    assert opd_rl.validation_recall(rr, val.iloc[:0], "ar", 1.0, prof) is None

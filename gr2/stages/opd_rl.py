@@ -406,7 +406,7 @@ def train_rl(
     before = validation_recall(rr, val, decoder, rc.tau, profile)
     res = _run(model, batches, lambda m, b: fn(m, b), _train_cfg(rc, profile.seed), out / "train")
     after = validation_recall(rr, val, decoder, rc.tau, profile)
-    kept = "rl" if before is None or after >= before else "parent"
+    kept = "parent" if before is not None and after is not None and after < before else "rl"
     if kept == "parent":  # RL lowered recall on lists it never trained on: serve the parent's weights
         model = load_bundle_parts(bundle)[0]
     meta = {

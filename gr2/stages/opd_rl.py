@@ -30,7 +30,7 @@ import torch
 from gr2.config import OPDConfig, Profile, RLConfig, TrainConfig
 from gr2.generative import GenerativeReranker, load_bundle_parts, load_verifier
 from gr2.losses import Batch
-from gr2.model import add_lora
+from gr2.model import add_lora, load_model
 from gr2.opd import make_opd_batch, opd_loss
 from gr2.reward import response_reward
 from gr2.rl import RolloutBatch, group_advantages, grpo_loss, rollout_batch, sample
@@ -408,7 +408,7 @@ def train_rl(
     after = validation_recall(rr, val, decoder, rc.tau, profile)
     kept = "parent" if before is not None and after is not None and after < before else "rl"
     if kept == "parent":  # RL lowered recall on lists it never trained on: serve the parent's weights
-        model = load_bundle_parts(bundle)[0]
+        model = load_model(Path(bundle) / "model")[0]  # only the weights: the rest is loaded already
     meta = {
         **cfg,
         "name": "rl" if bs > 0 else "ar",

@@ -83,6 +83,24 @@ def render_trace(score_levels: Sequence[int]) -> str:
     return " ".join(f"{label_token(i)} {score_token(level)}" for i, level in enumerate(score_levels))
 
 
+_TRACE_ENTRY = re.compile(r"\[([A-Z])\]\s*<score_(\d+)>")
+
+
+def parse_trace(trace: str | None, n_candidates: int) -> list[int] | None:
+    """Each candidate's score level, in label order, from a trace as `render_trace` writes it; None unless each of
+    the N candidates has exactly one level and nothing else is there (what the report reads back from a model's
+    trace, to see whether its answer follows it)."""
+    if not trace:
+        return None
+    entries = _TRACE_ENTRY.findall(trace)
+    if len(entries) != n_candidates or _TRACE_ENTRY.sub("", trace).strip():
+        return None
+    levels = {ord(label) - ord("A"): int(level) for label, level in entries}
+    if sorted(levels) != list(range(n_candidates)):
+        return None
+    return [levels[i] for i in range(n_candidates)]
+
+
 def label_token(i: int) -> str:
     """Candidate label as cited in the prompt and trace: [A], [B], ..."""
     return f"[{chr(ord('A') + i)}]"

@@ -153,6 +153,19 @@ def render_markdown(report: dict, plots: list[str] | None = None) -> str:
         ]
         cells += [fmt_value(row.get("speedup_vs_ar"), 2)]
         out += ["| " + " | ".join(cells) + " |"]
+    traced = [r for r in report.get("rows", []) if r.get("trace")]
+    if traced:
+        out += ["", "## Traces (the trace's own ranking, and whether the answer follows it)", ""]
+        out += [
+            "| model | tau | lists with a full trace | trace R@1 | answer R@1 | answer first = trace top |"
+        ]
+        out += ["|---|---|---|---|---|---|"]
+        for r in traced:
+            t = r["trace"]
+            out += [
+                f"| {r.get('model')} | {fmt_value(r.get('tau'), 2)} | {t['lists']} | {fmt_value(t['recall@1'], 3)} "
+                f"| {fmt_value(r.get('recall@1'), 3)} | {fmt_value(t.get('answer_follows'), 3)} |"
+            ]
     speed = report.get("speed") or []
     if speed:
         out += ["", "## Decode speed (measured side by side in one process)", "", *speed_markdown(speed)]

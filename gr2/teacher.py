@@ -52,10 +52,10 @@ def _expand(x: np.ndarray) -> np.ndarray:
 
 
 def score_quantiles(levels: int) -> np.ndarray:
-    """Quantiles of the training candidates' scores that separate the trace's score levels: the top level holds
-    about 2% of all candidates, and each level below it holds ~1.7x as many as the one above (the bottom level
-    half of them). Most of the resolution sits where the candidates that can come first are."""
-    return 1.0 - 0.5 * 0.6 ** np.arange(max(levels - 1, 0))
+    """Quantiles of the training candidates' scores that separate the trace's score levels: equal-count levels.
+    Recall@1 is decided at every level, not only at the top: in lists with weak evidence every candidate scores
+    low, and the best of them must still stand out from the rest (README: "the trace's resolution")."""
+    return np.arange(1, max(levels, 1)) / max(levels, 1)
 
 
 @dataclass

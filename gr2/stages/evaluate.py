@@ -18,6 +18,7 @@ import statistics
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import scipy.stats
 import torch
@@ -26,6 +27,7 @@ from gr2.config import EvalConfig, Profile
 from gr2.generative import GenerativeReranker
 from gr2.inference import load_reranker
 from gr2.metrics import evaluate
+from gr2.prompt import parse_trace
 from gr2.stages.prepare import SFTData, list_features
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,28 @@ def decode_rows(
             reasons[a[2]] = reasons.get(a[2], 0) + 1
     row["invalid_reasons"] = reasons
     row["mean_response_tokens"] = sum(len(r) for r in responses) / max(len(responses), 1)
+    trace = trace_summary(answers, examples["label"].tolist(), profile.data.n_candidates)
+    if trace is not None:
+        row["trace"] = trace
     return row
+
+
+def trace_summary(answers: list[tuple], labels: list[int], n: int) -> dict | None:
+    """What a model's traces carry and whether its answers follow them, over the lists with a complete trace:
+    `recall@1` of the trace's own ranking (its highest score level first; ties keep the retriever order) and
+    `answer_follows`, the share of valid answers whose first label has the trace's highest level. None for a
+    model that writes no trace."""
+    parsed = [(a, parse_trace(a[3], n), y) for a, y in zip(answers, labels, strict=True)]
+    parsed = [(a, lv, y) for a, lv, y in parsed if lv is not None]
+    if not parsed:
+        return None
+    hits = [int(np.argmax(lv)) == y for _, lv, y in parsed]
+    follows = [lv[a[0][0]] == max(lv) for a, lv, _ in parsed if a[1]]
+    return {
+        "lists": len(parsed),
+        "recall@1": float(np.mean(hits)),
+        "answer_follows": float(np.mean(follows)) if follows else None,
+    }
 
 
 def _geometric_ci(logs: list[float]) -> tuple[float, list[float] | None]:

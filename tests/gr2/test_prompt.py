@@ -17,6 +17,7 @@ from gr2.prompt import (
     encode_prompt,
     feature_aliases,
     parse_response,
+    parse_trace,
     render_answer,
     render_prompt,
     render_response,
@@ -90,6 +91,20 @@ def test_trace_names_every_candidate_with_its_score_level(tok):
         "<score_4>",
     ]
     assert tok.unk_token_id not in tok(TRACE, add_special_tokens=False)["input_ids"]
+
+
+def test_parse_trace_reads_back_the_levels_or_refuses(tok):
+    levels = [3, 0, 7, 1, 1, 5, 0, 2, 6, 4]
+    assert parse_trace(TRACE, 10) == levels
+    # What a model writes comes back through the tokenizer.
+    ids = tok(TRACE, add_special_tokens=False)["input_ids"]
+    assert parse_trace(tok.decode(ids, skip_special_tokens=True), 10) == levels
+    assert parse_trace(render_trace([2, 1, 0]), 3) == [2, 1, 0]
+    assert parse_trace(None, 10) is None and parse_trace("", 10) is None
+    assert parse_trace(TRACE, 11) is None  # a candidate without a level
+    assert parse_trace(TRACE.replace("[C]", "[B]"), 10) is None  # one label twice, one missing
+    assert parse_trace(TRACE + " [K]", 10) is None  # something else in the trace
+    assert parse_trace(TRACE.replace("<score_7>", "<score_x>"), 10) is None
 
 
 @pytest.mark.parametrize("trace", [TRACE, None])

@@ -8,7 +8,9 @@ import pandas as pd
 
 from gr2.data.dataset import Dataset
 from gr2.data.profile import dataset_profile
+from gr2.prompt import render_trace
 from gr2.report import floor_row, git_sha, machine_info, render_markdown, write_report
+from gr2.stages.evaluate import trace_summary
 
 
 def _examples():
@@ -73,3 +75,20 @@ def test_markdown_has_the_dataset_profile():
         "- evidence features dropped: category_overlap (no item has categories); "
         "title_sim (no item has title tokens)" in md
     )
+
+
+def test_trace_summary_scores_the_trace_and_whether_the_answer_follows_it():
+    # (ranking, valid, reason, trace) as GenerativeReranker.read_answer returns them.
+    answers = [
+        ([1, 0, 2], True, None, render_trace([0, 2, 1])),  # follows its trace; the trace's top is the label
+        ([2, 0, 1], True, None, render_trace([1, 1, 0])),  # ignores its trace; trace top (tie -> A) is wrong
+        ([0, 1, 2], False, "duplicate label", render_trace([2, 0, 0])),  # invalid: not counted as following
+        ([0, 1, 2], True, None, None),  # no trace (e.g. ar_no_trace): left out
+    ]
+    t = trace_summary(answers, labels=[1, 1, 0, 0], n=3)
+    assert t == {"lists": 3, "recall@1": 2 / 3, "answer_follows": 0.5}
+    assert trace_summary([a for a in answers if a[3] is None], [0], 3) is None
+    md = render_markdown(
+        {"dataset": "d", "rows": [{"model": "ar", "tau": None, "recall@1": 0.5, "trace": t}]}
+    )
+    assert "## Traces" in md and "| ar | — | 3 | 0.667 | 0.500 | 0.500 |" in md

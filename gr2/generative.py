@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import PreTrainedModel
@@ -39,6 +39,16 @@ from gr2.tokenizer import load_tokenizer
 
 KIND = "generative"
 VERIFIER_DIR = "verifier"  # the folder, and the reranker.json key naming it
+
+
+class Answer(NamedTuple):
+    """One decoded response, read: the ranking (candidate indices, best first), whether it was a valid
+    permutation, why not, and the trace before the answer (None without one)."""
+
+    ranking: list[int]  # invalid output falls back to the upstream order
+    valid: bool
+    reason: str | None
+    trace: str | None
 
 
 @dataclass
@@ -217,15 +227,15 @@ class GenerativeReranker:
             responses += [_until_eos(row, eos) for row in toks.tolist()]
         return Decoded(responses, nfe, seconds, verifier_nfe)
 
-    def read_answer(self, response: list[int], n: int) -> tuple[list[int], bool, str | None, str | None]:
-        """(ranking indices, valid, reason, trace). Invalid output falls back to the upstream order."""
+    def read_answer(self, response: list[int], n: int) -> Answer:
+        """The response read as an Answer. Invalid output falls back to the upstream order."""
         text = self.tokenizer.decode(response, skip_special_tokens=True)
         brace = text.find("{")
         trace = text[:brace].strip() if brace > 0 else None
         parsed = parse_response(text, n)
         if parsed.ranking is None:
-            return list(range(n)), False, parsed.reason, trace
-        return parsed.ranking, True, None, trace
+            return Answer(list(range(n)), False, parsed.reason, trace)
+        return Answer(parsed.ranking, True, None, trace)
 
 
 def _until_eos(row: list[int], eos: int) -> list[int]:

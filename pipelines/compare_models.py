@@ -36,7 +36,7 @@ def rankings(
     """Greedy rankings of `examples`, invalid outputs replaced by the upstream order (as the report scores them)."""
     decoder = "ar" if model.block_size == 0 else "diffusion"
     answers, _ = decode_answers(model, examples, decoder, tau if decoder == "diffusion" else None, profile)
-    return apply_fallback([a[0] for a in answers], [a[1] for a in answers], profile.data.n_candidates)
+    return apply_fallback([a.ranking for a in answers], [a.valid for a in answers], profile.data.n_candidates)
 
 
 def top1_breakdown(

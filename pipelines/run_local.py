@@ -143,9 +143,9 @@ def run_local(
             for card in report.get("model_cards", []):  # model_cards/rl.md -> <label>_model_cards/rl.md
                 dest = bench / f"{label}_{card}"
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy(run_dir / card, dest)
+                dest.write_text(repo_relative((run_dir / card).read_text()))
                 md = md.replace(f"]({card})", f"]({label}_{card})")
-            (bench / f"{label}.md").write_text(md)
+            (bench / f"{label}.md").write_text(repo_relative(md))
     return out
 
 

@@ -9,11 +9,12 @@ LOCAL_FS_YAML = FEATURE_REPO / "feature_store.yaml"
 
 
 def repo_relative(obj):
-    """Committed reports carry no machine paths: every string under the repository root becomes relative to
-    it (recursively through dicts and lists); other values are returned unchanged."""
+    """Committed reports carry no machine paths: every path under the repository root, anywhere in a string
+    (a model card's text too), becomes relative to it (recursively through dicts and lists); other values are
+    returned unchanged."""
     prefix = str(REPO_ROOT) + os.sep
     if isinstance(obj, str):
-        return obj[len(prefix) :] if obj.startswith(prefix) else obj
+        return obj.replace(prefix, "")
     if isinstance(obj, dict):
         return {k: repo_relative(v) for k, v in obj.items()}
     if isinstance(obj, list):

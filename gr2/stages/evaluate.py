@@ -15,7 +15,7 @@ import gc
 import logging
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,7 @@ import scipy.stats
 import torch
 
 from gr2.config import EvalConfig, Profile
-from gr2.generative import GenerativeReranker
+from gr2.generative import Answer, GenerativeReranker
 from gr2.inference import load_reranker
 from gr2.metrics import evaluate
 from gr2.prompt import parse_trace
@@ -52,8 +52,8 @@ def teacher_row(data: SFTData, test: pd.DataFrame, profile: Profile) -> dict:
 
 def decode_answers(
     model: GenerativeReranker, examples: pd.DataFrame, decoder: str, tau: float | None, profile: Profile
-) -> tuple[list[tuple], list[list[int]]]:
-    """Greedy decoding of `examples` as the evaluation scores it: (read_answer tuples, responses)."""
+) -> tuple[list[Answer], list[list[int]]]:
+    """Greedy decoding of `examples` as the evaluation scores it: (answers, responses)."""
     prompts = model.encode_prompts(examples["history"].tolist(), examples["candidates"].tolist())
     out = model.decode(prompts, decoder, tau or 1.0, profile.eval.batch_size)
     n = profile.data.n_candidates
@@ -67,8 +67,8 @@ def decode_rows(
     answers, responses = decode_answers(model, examples, decoder, tau, profile)
     row = evaluate(
         examples,
-        [a[0] for a in answers],
-        [a[1] for a in answers],
+        [a.ranking for a in answers],
+        [a.valid for a in answers],
         n_boot=profile.bootstrap_samples,
         seed=profile.seed,
         model=model.name,
@@ -76,8 +76,8 @@ def decode_rows(
     )
     reasons: dict[str, int] = {}
     for a in answers:
-        if not a[1]:
-            reasons[a[2]] = reasons.get(a[2], 0) + 1
+        if not a.valid:
+            reasons[str(a.reason)] = reasons.get(str(a.reason), 0) + 1
     row["invalid_reasons"] = reasons
     row["mean_response_tokens"] = sum(len(r) for r in responses) / max(len(responses), 1)
     trace = trace_summary(answers, examples["label"].tolist(), profile.data.n_candidates)
@@ -86,17 +86,20 @@ def decode_rows(
     return row
 
 
-def trace_summary(answers: list[tuple], labels: list[int], n: int) -> dict | None:
+def trace_summary(answers: Sequence[Answer], labels: list[int], n: int) -> dict | None:
     """What a model's traces carry and whether its answers follow them, over the lists with a complete trace:
     `recall@1` of the trace's own ranking (its highest score level first; ties keep the retriever order) and
     `answer_follows`, the share of valid answers whose first label has the trace's highest level. None for a
     model that writes no trace."""
-    parsed = [(a, parse_trace(a[3], n), y) for a, y in zip(answers, labels, strict=True)]
-    parsed = [(a, lv, y) for a, lv, y in parsed if lv is not None]
+    parsed = []
+    for a, y in zip(answers, labels, strict=True):
+        lv = parse_trace(a.trace, n)
+        if lv is not None:
+            parsed.append((a, lv, y))
     if not parsed:
         return None
     hits = [int(np.argmax(lv)) == y for _, lv, y in parsed]
-    follows = [lv[a[0][0]] == max(lv) for a, lv, _ in parsed if a[1]]
+    follows = [lv[a.ranking[0]] == max(lv) for a, lv, _ in parsed if a.valid]
     return {
         "lists": len(parsed),
         "recall@1": float(np.mean(hits)),

@@ -350,7 +350,7 @@ def validation_recall(
     if val.empty:
         return None
     answers, _ = decode_answers(reranker, val, decoder, tau, profile)
-    return float(np.mean([a[0][0] == y for a, y in zip(answers, val["label"], strict=True)]))
+    return float(np.mean([a.ranking[0] == y for a, y in zip(answers, val["label"], strict=True)]))
 
 
 def rl_config(profile: Profile, block_size: int) -> RLConfig:

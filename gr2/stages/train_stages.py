@@ -137,7 +137,7 @@ def teacher_records(
         chunk = records[b0 : b0 + bs]
         decoded = teacher.decode([list(r[0]) for r in chunk], "ar", 1.0, bs)
         for r, resp in zip(chunk, decoded.responses, strict=True):
-            if teacher.read_answer(resp, n)[1] and open_id in resp:
+            if teacher.read_answer(resp, n).valid and open_id in resp:
                 a = resp.index(open_id)
                 w = [sft.trace_weight] * a + [sft.answer_weight] * (len(resp) - a)
                 out.append(SFTRecord(list(r[0]), list(resp), w))

@@ -169,7 +169,7 @@ def test_cft_trains_on_the_teachers_greedy_responses(pipeline):
     for i, g in zip(sub, greedy, strict=True):
         prompt, resp, w = records[i]
         assert list(prompt) == list(sft[i][0])
-        if teacher.read_answer(g, n)[1] and open_id in g:
+        if teacher.read_answer(g, n).valid and open_id in g:
             a = g.index(open_id)
             assert list(resp) == g
             assert w == [prof.sft.trace_weight] * a + [prof.sft.answer_weight] * (len(g) - a)

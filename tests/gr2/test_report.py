@@ -8,6 +8,7 @@ import pandas as pd
 
 from gr2.data.dataset import Dataset
 from gr2.data.profile import dataset_profile
+from gr2.generative import Answer
 from gr2.prompt import render_trace
 from gr2.report import floor_row, git_sha, machine_info, render_markdown, write_report
 from gr2.stages.evaluate import trace_summary
@@ -78,16 +79,15 @@ def test_markdown_has_the_dataset_profile():
 
 
 def test_trace_summary_scores_the_trace_and_whether_the_answer_follows_it():
-    # (ranking, valid, reason, trace) as GenerativeReranker.read_answer returns them.
     answers = [
-        ([1, 0, 2], True, None, render_trace([0, 2, 1])),  # follows its trace; the trace's top is the label
-        ([2, 0, 1], True, None, render_trace([1, 1, 0])),  # ignores its trace; trace top (tie -> A) is wrong
-        ([0, 1, 2], False, "duplicate label", render_trace([2, 0, 0])),  # invalid: not counted as following
-        ([0, 1, 2], True, None, None),  # no trace (e.g. ar_no_trace): left out
+        Answer([1, 0, 2], True, None, render_trace([0, 2, 1])),  # follows its trace, whose top is the label
+        Answer([2, 0, 1], True, None, render_trace([1, 1, 0])),  # ignores its trace; trace top (tie: A) wrong
+        Answer([0, 1, 2], False, "duplicate label", render_trace([2, 0, 0])),  # invalid: does not follow
+        Answer([0, 1, 2], True, None, None),  # no trace (e.g. ar_no_trace): left out
     ]
     t = trace_summary(answers, labels=[1, 1, 0, 0], n=3)
     assert t == {"lists": 3, "recall@1": 2 / 3, "answer_follows": 0.5}
-    assert trace_summary([a for a in answers if a[3] is None], [0], 3) is None
+    assert trace_summary([a for a in answers if a.trace is None], [0], 3) is None
     md = render_markdown(
         {"dataset": "d", "rows": [{"model": "ar", "tau": None, "recall@1": 0.5, "trace": t}]}
     )

@@ -188,12 +188,12 @@ class GenerativeReranker:
             raise ValueError(f"{self.name} has no verifier (bundle without verifier/): 'spec' needs one")
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
-        bs = batch_size or self.batch_size
+        batch = batch_size or self.batch_size
         eos = self.tokenizer.eos_token_id
         responses: list[list[int]] = []
         nfe, verifier_nfe, seconds = 0, 0, 0.0
-        for b0 in range(0, len(prompts), bs):
-            chunk = prompts[b0 : b0 + bs]
+        for b0 in range(0, len(prompts), batch):
+            chunk = prompts[b0 : b0 + batch]
             t0 = time.perf_counter()
             if decoder == "ar":
                 toks, n = ar_generate(self.model, chunk, self.max_new_tokens, eos, unique=self.unique)

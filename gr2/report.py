@@ -189,13 +189,18 @@ def render_markdown(report: dict, plots: list[str] | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_report(run_dir: str | Path, report: dict) -> Path:
-    """Write report.json + report.md into run_dir and point `<run_dir>/../latest` at it. Returns run_dir."""
+def write_report(run_dir: str | Path, report: dict, link_latest: bool = False) -> Path:
+    """Write report.json + report.md into run_dir (adding git_sha and machine when missing); with `link_latest`
+    (a run's folder, not a step's output) also point `<run_dir>/../latest` at it. Returns run_dir."""
+    report.setdefault("git_sha", git_sha())
+    report.setdefault("machine", machine_info())
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "report.json").write_text(json.dumps(report, indent=1, default=json_default))
     plots = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*.png"))
     (run_dir / "report.md").write_text(render_markdown(report, report.get("plots") or plots))
+    if not link_latest:
+        return run_dir
     latest = run_dir.parent / "latest"
     tmp = run_dir.parent / f".latest.{os.getpid()}"
     if tmp.is_symlink() or tmp.exists():

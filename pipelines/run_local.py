@@ -125,7 +125,7 @@ def run_local(
             shutil.copy(png, run_dir / png.name)  # the plots the report links to
         if evaluated and (evaluated.parent / "model_cards").is_dir():
             shutil.copytree(evaluated.parent / "model_cards", run_dir / "model_cards", dirs_exist_ok=True)
-        write_report(run_dir, report)  # runs/<id>/report.json + .md, and runs/latest -> <id>
+        write_report(run_dir, report, link_latest=True)  # runs/<id>/report.json + .md, runs/latest -> <id>
         with open(run_dir / "report.md", "a") as f:
             f.write(f"\nRun `{run_id}`, pipeline {seconds:.0f} s, command `{report['command']}`.\n")
             if report.get("serving_smoke"):

@@ -129,9 +129,9 @@ def evaluate(
 ) -> dict[str, Any]:
     """Add the reasoning teacher's row (from `sft_dir`), the generative rows and the speed list to the floor
     report; plots; write report.json / report.md."""
-    from components._lib.report_io import write_report
     from gr2.model_card import write_model_cards
     from gr2.plots import plot_frontier, plot_training_curves
+    from gr2.report import write_report
     from gr2.stages.evaluate import evaluate_generative, teacher_row
     from gr2.stages.prepare import SFTData
 
@@ -165,5 +165,5 @@ def evaluate(
     report["plots"] = [p.name for p in plots]
     report["model_cards"] = [str(c.relative_to(out)) for c in write_model_cards(paths, report, out)]
     report["seconds_evaluate_models"] = round(time.perf_counter() - t0, 1)
-    write_report(report, out)
+    write_report(out, report)
     return report

@@ -1,30 +1,10 @@
-"""Run report I/O for the pipeline steps: report.json + report.md (docs/CONTRACTS.md "Report row").
-
-The fields and the Markdown come from gr2.report (git_sha, machine_info, render_markdown); this module only
-writes them into a step's output folder (gr2.report.write_report also moves runs/latest, which belongs to
-the run folder, see pipelines/run_local.py) and prints the rows as a console table.
-"""
+"""The report's rows as a console table for the CLI and the local runner (the report itself: gr2.report)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from gr2.metrics import METRICS
-
-
-def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
-    """Add git_sha / machine, then write report.json and report.md into `out_dir`."""
-    from gr2.report import git_sha, json_default, machine_info, render_markdown
-
-    report.setdefault("git_sha", git_sha())
-    report.setdefault("machine", machine_info())
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=json_default))
-    (out / "report.md").write_text(render_markdown(report))
-    return out
 
 
 def table_markdown(report: dict[str, Any]) -> str:

@@ -249,9 +249,9 @@ def evaluate(
         "n_examples": {s: len(d) for s, d in split.items()},
         "seconds": round(time.perf_counter() - t0, 2),
     }
-    from components._lib.report_io import write_report
+    from gr2.report import write_report
 
-    write_report(report, out_dir)
+    write_report(out_dir, report)
     return report
 
 

@@ -21,7 +21,7 @@ from gr2.data.dataset import Dataset
 from gr2.data.split import train_sequences
 from gr2.evidence import Evidence
 from gr2.sid import SemanticIds, build_semantic_ids
-from gr2.teacher import Teacher, build_sft_records, fit_teacher
+from gr2.teacher import SFTRecord, Teacher, build_sft_records, fit_teacher
 from gr2.tokenizer import load_tokenizer, tokenizer_for
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class SFTData:
     sids: SemanticIds
     tokenizer: Any
     teacher: Teacher
-    records: dict[str, list]  # variant ("trace" | "ar_no_trace") -> [(prompt_ids, response_ids, weights)]
+    records: dict[str, list[SFTRecord]]  # variant ("trace" | "ar_no_trace") -> one record per training list
     stats: dict
 
     def save(self, out: str | Path) -> Path:
@@ -43,7 +43,9 @@ class SFTData:
         self.sids.save(out / "sids.json")
         self.tokenizer.save_pretrained(str(out / "tokenizer"))
         self.teacher.save(out / "teacher.json")
-        torch.save({k: [tuple(map(list, r)) for r in v] for k, v in self.records.items()}, out / "records.pt")
+        torch.save(
+            {k: [tuple(list(x) for x in r) for r in v] for k, v in self.records.items()}, out / "records.pt"
+        )
         (out / "stats.json").write_text(json.dumps(self.stats, indent=2, default=float))
         return out
 
@@ -55,7 +57,7 @@ class SFTData:
             sids=SemanticIds.load(p / "sids.json"),
             tokenizer=load_tokenizer(p / "tokenizer"),
             teacher=Teacher.load(p / "teacher.json"),
-            records=torch.load(p / "records.pt"),
+            records={k: [SFTRecord(*r) for r in v] for k, v in torch.load(p / "records.pt").items()},
             stats=json.loads((p / "stats.json").read_text()),
         )
 

@@ -27,15 +27,15 @@ from gr2.train import BucketedBatches, LossFn, TrainResult, process_state, train
 log = logging.getLogger(__name__)
 
 
-def _max_new_tokens(records: list, block_size: int) -> int:
+def _max_new_tokens(records: list[SFTRecord], block_size: int) -> int:
     """Longest training response plus one block of slack, rounded up to a block multiple."""
-    longest = max(len(r[1]) for r in records)
+    longest = max(len(r.response_ids) for r in records)
     b = max(block_size, 1)
     return -(-(longest + b) // b) * b
 
 
 def _fit(
-    model: torch.nn.Module, records: list, collate_fn, loss_fn: LossFn, cfg: TrainConfig, out: Path
+    model: torch.nn.Module, records: list[SFTRecord], collate_fn, loss_fn: LossFn, cfg: TrainConfig, out: Path
 ) -> TrainResult:
     batches = BucketedBatches(records, cfg.batch_size, collate_fn, seed=cfg.seed)
     return train(model, batches, loss_fn, cfg, out)
@@ -108,7 +108,7 @@ TEACHER_TARGETS = "teacher_targets.pt"
 
 
 def teacher_records(
-    teacher: GenerativeReranker, records: list, profile: Profile, cache: Path | None = None
+    teacher: GenerativeReranker, records: list[SFTRecord], profile: Profile, cache: Path | None = None
 ) -> tuple[list[SFTRecord], dict]:
     """Sequence-level distillation targets for CFT: the AR teacher's greedy response to every SFT prompt.
 
@@ -128,23 +128,23 @@ def teacher_records(
     tok = teacher.tokenizer
     open_id = tok.convert_tokens_to_ids("{")
     n = profile.data.n_candidates
-    bs = profile.eval.batch_size
+    batch = profile.eval.batch_size
     sft = profile.sft
     out: list[SFTRecord] = []
     n_teacher = n_same = 0
     t0 = time.perf_counter()
-    for b0 in tqdm(range(0, len(records), bs), disable=None, desc="teacher targets", unit="batch"):
-        chunk = records[b0 : b0 + bs]
-        decoded = teacher.decode([list(r[0]) for r in chunk], "ar", 1.0, bs)
+    for b0 in tqdm(range(0, len(records), batch), disable=None, desc="teacher targets", unit="batch"):
+        chunk = records[b0 : b0 + batch]
+        decoded = teacher.decode([list(r.prompt_ids) for r in chunk], "ar", 1.0, batch)
         for r, resp in zip(chunk, decoded.responses, strict=True):
             if teacher.read_answer(resp, n).valid and open_id in resp:
                 a = resp.index(open_id)
                 w = [sft.trace_weight] * a + [sft.answer_weight] * (len(resp) - a)
-                out.append(SFTRecord(list(r[0]), list(resp), w))
+                out.append(SFTRecord(list(r.prompt_ids), list(resp), w))
                 n_teacher += 1
-                n_same += list(resp) == list(r[1])
+                n_same += list(resp) == list(r.response_ids)
             else:
-                out.append(SFTRecord(*map(list, r)))
+                out.append(r)
     stats = {
         "targets": "teacher",
         "n_records": len(out),

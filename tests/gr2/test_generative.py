@@ -12,7 +12,7 @@ from gr2.config import load_profile
 from gr2.data import load_dataset
 from gr2.data.dataset import data_root
 from gr2.data.split import build_targets, train_sequences
-from gr2.generative import GenerativeReranker
+from gr2.generative import Answer, GenerativeReranker
 from gr2.inference import RankRequest, load_reranker
 from gr2.prompt import label_token
 from gr2.retriever import CoocRetriever
@@ -20,6 +20,7 @@ from gr2.stages.evaluate import evaluate_generative
 from gr2.stages.opd_rl import train_prompts
 from gr2.stages.prepare import SFTData, prepare_sft
 from gr2.stages.train_stages import TEACHER_TARGETS, convert, teacher_records, train_ar_teacher, train_cft
+from gr2.teacher import SFTRecord
 
 OVERRIDES = {
     "sid.content_weight": 0.0,  # content-free SIDs keep this fast (the title model is tested in test_sid.py)
@@ -193,12 +194,12 @@ class _FakeTeacher:
         return type("D", (), {"responses": [[*self.trace, self.open_id, p[0], 2] for p in prompts]})()
 
     def read_answer(self, response, n):
-        return [], response[3] % 2 == 0, None, None
+        return Answer([], response[3] % 2 == 0, None, None)
 
 
 def test_teacher_records_fall_back_and_resume_from_cache(pipeline, tmp_path):
     prof, tok = pipeline["prof"], pipeline["data"].tokenizer
-    sft = [([p], [5, 6, 2], [0.5, 1.0, 1.0]) for p in range(5)]
+    sft = [SFTRecord([p], [5, 6, 2], [0.5, 1.0, 1.0]) for p in range(5)]
     fake = _FakeTeacher(tok)
     cache = tmp_path / TEACHER_TARGETS
     recs, stats = teacher_records(fake, sft, prof, cache)

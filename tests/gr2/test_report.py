@@ -34,10 +34,10 @@ def test_write_report_and_latest(tmp_path):
         "retriever": {"name": "cooc", "hit_rate": 0.07, "n_test_examples": 4},
     }
     runs = tmp_path / "runs"
-    write_report(runs / "r1", report)
+    write_report(runs / "r1", report, link_latest=True)
     (runs / "r2").mkdir(parents=True)
     (runs / "r2" / "pr.png").write_bytes(b"png")
-    write_report(runs / "r2", report)
+    write_report(runs / "r2", report, link_latest=True)
     back = json.loads((runs / "r2" / "report.json").read_text())
     assert back["rows"][1]["recall@1"] == 0.75 and back["retriever"]["hit_rate"] == 0.07
     md = (runs / "r2" / "report.md").read_text()
@@ -45,6 +45,12 @@ def test_write_report_and_latest(tmp_path):
     assert "Gate: FAILED" in md and "speedup 1.2 < 2.4" in md and "hit rate 0.0700" in md
     assert "![pr](pr.png)" in md
     assert (runs / "latest").is_symlink() and (runs / "latest").resolve() == (runs / "r2").resolve()
+    # A step's output folder: the same files, git sha and machine filled in, and no `latest` beside it.
+    step = tmp_path / "step"
+    write_report(step / "out", {"dataset": "toy", "rows": [floor]})
+    back = json.loads((step / "out" / "report.json").read_text())
+    assert back["git_sha"] == git_sha() and back["machine"]["cores"] >= 1
+    assert (step / "out" / "report.md").exists() and not (step / "latest").exists()
 
 
 def test_machine_info_and_sha():

@@ -22,7 +22,7 @@ def evaluate_floor(
 
     from components._lib import steps
 
-    rep = steps.evaluate(sources.path, examples.path, report.path, profile, dataset)
+    rep = steps.evaluate_floor(sources.path, examples.path, report.path, profile, dataset)
     shutil.copy(Path(report.path) / "report.md", summary.path)
     for row in rep["rows"]:
         for k in ("recall@1", "recall@5", "ndcg@5"):

@@ -40,7 +40,9 @@ def evaluate_models(
         "opd": opd_model.path,
         "rl": rl_model.path,
     }
-    rep = model_steps.evaluate(examples.path, floor_report.path, bundles, report.path, profile, sft_data.path)
+    rep = model_steps.evaluate_models(
+        examples.path, floor_report.path, bundles, report.path, profile, sft_data.path
+    )
     # A self-contained Markdown for the UI: plots inlined as data URIs.
     md = (Path(report.path) / "report.md").read_text()
     for name in rep.get("plots", []):

@@ -8,7 +8,7 @@ gr2 extract --sources ... --store ... --out runs/x/targets.parquet
 gr2 validate --dataset PATH          GX suites on a dataset folder (exit 1 if anything fails)
 gr2 validate --sources ... --table runs/x/examples.parquet --stage examples
 gr2 candidates --sources ... --targets ... --out runs/x/examples.parquet
-gr2 evaluate --sources ... --examples ... --out runs/x/report
+gr2 evaluate-floor --sources ... --examples ... --out runs/x/report
 gr2 prepare-sft --sources ... --examples ... --out runs/x/sft_data
 gr2 train-ar --sft-data runs/x/sft_data --out runs/x/ar_sft [--variant trace|ar_no_trace]
 gr2 rl --model runs/x/ar_sft --sft-data ... --examples ... --out runs/x/ar      the AR teacher's RL
@@ -159,8 +159,8 @@ def candidates(
     _echo(steps.candidates(sources, targets, out, profile))
 
 
-@app.command()
-def evaluate(
+@app.command("evaluate-floor")
+def evaluate_floor(
     sources: Path = typer.Option(...),
     examples: Path = typer.Option(...),
     out: Path = typer.Option(..., help="report folder (report.json / report.md)"),
@@ -171,7 +171,7 @@ def evaluate(
     from components._lib import steps
     from components._lib.report_io import table_markdown
 
-    typer.echo(table_markdown(steps.evaluate(sources, examples, out, profile, dataset)))
+    typer.echo(table_markdown(steps.evaluate_floor(sources, examples, out, profile, dataset)))
 
 
 @app.command("prepare-sft")
@@ -252,7 +252,9 @@ def distill(
 @app.command("evaluate-models")
 def evaluate_models(
     examples: Path = typer.Option(..., help="examples parquet"),
-    floor_report: Path = typer.Option(..., help="report folder from `gr2 evaluate` (floor/popularity/ltr)"),
+    floor_report: Path = typer.Option(
+        ..., help="report folder from `gr2 evaluate-floor` (floor/popularity/ltr)"
+    ),
     out: Path = typer.Option(..., help="report folder (report.json / report.md / plots)"),
     ar: Path = typer.Option(..., help="AR teacher folder (SFT + RL): the speed baseline"),
     sft_data: Path = typer.Option(
@@ -273,7 +275,9 @@ def evaluate_models(
     bundles = {"ar_sft": ar_sft, "ar": ar, "ar_no_trace": ar_no_trace, "naive": naive, "cft": cft}
     bundles |= {"opd": opd, "rl": rl}
     bundles = {k: v for k, v in bundles.items() if v is not None}
-    typer.echo(table_markdown(model_steps.evaluate(examples, floor_report, bundles, out, profile, sft_data)))
+    typer.echo(
+        table_markdown(model_steps.evaluate_models(examples, floor_report, bundles, out, profile, sft_data))
+    )
 
 
 @app.command()

@@ -119,7 +119,7 @@ def distill(
     return bundle_meta(bundle)["train"]
 
 
-def evaluate(
+def evaluate_models(
     examples_path: str | Path,
     floor_report_dir: str | Path,
     bundles: Mapping[str, str | Path],

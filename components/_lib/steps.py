@@ -174,7 +174,7 @@ def load_evidence(sources_dir: str | Path):
     return Evidence.from_item_tables(table, meta)
 
 
-def evaluate(
+def evaluate_floor(
     sources_dir: str | Path,
     examples_path: str | Path,
     out_dir: str | Path,

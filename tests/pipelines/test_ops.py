@@ -370,7 +370,7 @@ def test_cli_exposes_every_step():
         "extract",
         "validate",
         "candidates",
-        "evaluate",
+        "evaluate-floor",
         "prepare-sft",
         "train-ar",
     ]

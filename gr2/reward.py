@@ -8,7 +8,11 @@ candidates in retriever order, so rank_before is the item's index in the prompt 
 list them shuffled (`RLConfig.shuffle_candidates`) pass the retriever rank separately. The format bonus
 (R_fmt = 1 for a valid permutation) is paid only when R_rank > 0 or the item was already first: with an
 unconditional bonus, re-emitting the input order earns R_rank = 0 + alpha on every list, and the policy learns
-to copy the retriever (reward hacking, GR2). Invalid or overflowing output (no eos) earns -1.
+to copy the retriever (reward hacking, GR2). Invalid or overflowing output (no eos) earns -1, and so does a
+trace that does not name each candidate once with one score level (`parse_trace`): the rank reward looks only at
+the answer, so without this rule RL lets the trace drift into text that no longer says anything (on Beauty
+without titles, AR RL began to write "[A] .. [D] .. [C] .. [D]" in one list in nine, and the student converted
+from it learnt the broken traces).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gr2.prompt import parse_response
+from gr2.prompt import parse_response, parse_trace
 
 INVALID_REWARD = -1.0
 
@@ -45,10 +49,15 @@ def response_reward(
     alpha: float = 0.2,
     rank_before: int | None = None,
 ) -> tuple[float, bool]:
-    """(R, valid) for generated token ids. A response without eos (ran out of tokens) counts as invalid."""
+    """(R, valid) for generated token ids. A response without eos (ran out of tokens), or with text before the
+    answer that is not a well-formed trace, counts as invalid."""
     ids = list(response)
     eos = tokenizer.eos_token_id
     if eos not in ids:
         return INVALID_REWARD, False
-    ranking = parse_response(ids[: ids.index(eos)], n, tokenizer).ranking
+    text = tokenizer.decode(ids[: ids.index(eos)], skip_special_tokens=True)
+    ranking = parse_response(text, n).ranking
+    trace = text[: max(text.find("{"), 0)].strip()
+    if ranking is not None and trace and parse_trace(trace, n) is None:
+        ranking = None
     return rank_reward(ranking, label, n, alpha, rank_before), ranking is not None

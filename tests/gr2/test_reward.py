@@ -2,7 +2,7 @@
 
 import pytest
 
-from gr2.prompt import render_response
+from gr2.prompt import render_response, render_trace
 from gr2.reward import INVALID_REWARD, rank_reward, response_reward
 from gr2.tokenizer import build_tokenizer
 
@@ -63,9 +63,14 @@ def _ids(tok, text, eos=True):
 
 
 def test_response_reward_parses_tokens(tok):
-    text = render_response("step 1 : [C] follows-last-item", [2, 0, 1, 3, 4, 5, 6, 7, 8, 9])
+    trace = render_trace([1, 0, 7, 2, 0, 0, 3, 1, 0, 0])
+    text = render_response(trace, [2, 0, 1, 3, 4, 5, 6, 7, 8, 9])
     r, valid = response_reward(_ids(tok, text), 2, N, tok)
     assert valid and r == pytest.approx(0.2 + 0.2)
+    # The same answer after a trace that names [D] twice and [B] never: the trace says nothing, so invalid.
+    broken = trace.replace("[B]", "[D]")
+    r, valid = response_reward(_ids(tok, render_response(broken, [2, 0, 1, 3, 4, 5, 6, 7, 8, 9])), 2, N, tok)
+    assert not valid and r == INVALID_REWARD
     # the same answer copied from the input order while the target sat at 2: no bonus, R = 0
     r, valid = response_reward(_ids(tok, render_response(None, IDENTITY)), 2, N, tok)
     assert valid and r == 0.0

@@ -33,7 +33,7 @@ from gr2.decode import ar_generate, diffusion_generate, spec_generate
 from gr2.evidence import Evidence
 from gr2.inference import CONFIG_FILE, DECODERS, ITEMS_FILE, RankRequest, RankResult, register_reranker
 from gr2.model import load_model, save_model
-from gr2.prompt import answer_label_token, encode_prompt, parse_response
+from gr2.prompt import answer_label_token, encode_prompt, parse_response, response_trace
 from gr2.sid import SemanticIds
 from gr2.tokenizer import load_tokenizer
 
@@ -230,8 +230,7 @@ class GenerativeReranker:
     def read_answer(self, response: list[int], n: int) -> Answer:
         """The response read as an Answer. Invalid output falls back to the upstream order."""
         text = self.tokenizer.decode(response, skip_special_tokens=True)
-        brace = text.find("{")
-        trace = text[:brace].strip() if brace > 0 else None
+        trace = response_trace(text)
         parsed = parse_response(text, n)
         if parsed.ranking is None:
             return Answer(list(range(n)), False, parsed.reason, trace)

@@ -86,6 +86,11 @@ def render_trace(score_levels: Sequence[int]) -> str:
 _TRACE_ENTRY = re.compile(r"\[([A-Z])\]\s*<score_(\d+)>")
 
 
+def response_trace(text: str) -> str | None:
+    """The text a response writes before its answer object ("{"), stripped; None when there is none."""
+    return text[: max(text.find("{"), 0)].strip() or None
+
+
 def parse_trace(trace: str | None, n_candidates: int) -> list[int] | None:
     """Each candidate's score level, in label order, from a trace as `render_trace` writes it; None unless each of
     the N candidates has exactly one level and nothing else is there (what the report reads back from a model's

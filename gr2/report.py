@@ -197,8 +197,8 @@ def write_report(run_dir: str | Path, report: dict, link_latest: bool = False) -
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "report.json").write_text(json.dumps(report, indent=1, default=json_default))
-    plots = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*.png"))
-    (run_dir / "report.md").write_text(render_markdown(report, report.get("plots") or plots))
+    plots = report.get("plots") or sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*.png"))
+    (run_dir / "report.md").write_text(render_markdown(report, plots))
     if not link_latest:
         return run_dir
     latest = run_dir.parent / "latest"

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gr2.prompt import parse_response, parse_trace
+from gr2.prompt import parse_response, parse_trace, response_trace
 
 INVALID_REWARD = -1.0
 
@@ -57,7 +57,7 @@ def response_reward(
         return INVALID_REWARD, False
     text = tokenizer.decode(ids[: ids.index(eos)], skip_special_tokens=True)
     ranking = parse_response(text, n).ranking
-    trace = text[: max(text.find("{"), 0)].strip()
-    if ranking is not None and trace and parse_trace(trace, n) is None:
+    trace = response_trace(text)
+    if ranking is not None and trace is not None and parse_trace(trace, n) is None:
         ranking = None
     return rank_reward(ranking, label, n, alpha, rank_before), ranking is not None

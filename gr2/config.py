@@ -160,6 +160,10 @@ class PromptConfig:
     # Decode the answer as a permutation: every decoder writes each candidate's label at most once (gr2/decode.py
     # `unique`). Without it parallel decoding writes one label at two ranks of one block (README: validity).
     unique_labels: bool = True
+    # The answer follows the trace: once the trace is written, the answer's k-th label must be a candidate with
+    # the trace's k-th highest score level (gr2/decode.py `answer_slots`; needs unique_labels). Every decoder, RL's
+    # sampler and its replay apply it. Chosen on validation (README: answers that follow their trace).
+    follow_trace: bool = True
 
 
 @dataclass(frozen=True)

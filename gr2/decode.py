@@ -29,6 +29,13 @@ candidate labels, so that every decoder writes each candidate once. Every decode
 token already written is banned from the logits (`ban_repeats`), and a diffusion round that picks one unique
 token at two positions commits only the more confident (`one_of_each`). The equivalences below hold with it.
 
+Answers that follow their trace. `follow` (optional, with `unique`) makes the answer agree with the trace the
+response wrote before it (gr2/prompt.py: one label and one score level per candidate, then the answer's head, then
+labels one token apart). Once a row's whole trace is decoded, the answer's k-th label must be a candidate whose
+level is the k-th highest of the trace (`answer_slots`; nothing else may go there): the answer ranks by the trace, and the model itself only
+orders candidates that share a level. The rule is per position, so parallel rounds obey it as AR does, and every
+equivalence below holds with it.
+
 Greedy by default. The token-choice rule is pluggable (`pick` for AR, `commit_fn` for diffusion) so that
 gr2/rl.py samples its rollouts with these same loops; the optional `logprobs` output tensor then receives the
 rule's log-prob of every decoded token. The greedy path computes no log-probs (no extra softmax).
@@ -37,8 +44,11 @@ rule's log-prob of every decoded token. The greedy path computes no log-probs (n
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from gr2.model import attention_rows, block_causal_mask, model_config, position_ids_for
@@ -63,6 +73,108 @@ PickRule = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # commit_fn(logits [B, C, V], masked [B, C], tau) -> (commit [B, C], tokens [B, C], log-probs [B, C]):
 # the diffusion commit rule (default: `select_commits`).
 CommitRule = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class TraceRule:
+    """The tokens `answer_slots` reads (module docstring: answers that follow their trace)."""
+
+    labels: (
+        torch.Tensor
+    )  # [K] the candidates' label tokens [A], [B], ... (prompt and trace); label i answers unique[i]
+    levels: torch.Tensor  # [S] the score-level tokens <score_0>, <score_1>, ...: a level's value is its index
+    head: int  # tokens between the trace and the answer's first label ('{ "ranking" : [')
+
+    def n_candidates(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        """[B]: the candidates of each (padded) prompt [B, P], i.e. its label tokens."""
+        return torch.isin(prompt_ids, self.labels.to(prompt_ids.device)).sum(-1)
+
+
+class Slots(NamedTuple):
+    """The answer's label positions that the trace rules (`answer_slots`)."""
+
+    active: torch.Tensor  # [B, T]: an answer label's position, ruled by its row's decoded, well-formed trace
+    allowed: torch.Tensor  # [B, T, K]: the labels (unique[k]) the trace allows there
+    no_label: (
+        torch.Tensor
+    )  # [B, T]: a position after such a trace where no label belongs (head, commas, tail)
+
+    def cols(self, start: int, stop: int | None = None) -> Slots:
+        return Slots(self.active[:, start:stop], self.allowed[:, start:stop], self.no_label[:, start:stop])
+
+
+def answer_slots(rule: TraceRule, resp: torch.Tensor, known: torch.Tensor, n: torch.Tensor) -> Slots:
+    """The positions of response [B, T] where the trace rules the answer (`known`: decoded positions; n [B]:
+    candidates per row). A row whose trace is decoded and well formed (label i then one level, for i < n) rules
+    its answer's k-th label position: only a candidate whose level is the trace's k-th highest may go there; and
+    no label may go anywhere else after the trace (a label written past the answer would take a slot's label)."""
+    B, T = resp.shape
+    K = len(rule.labels)
+    dev = resp.device
+    active = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    allowed = torch.zeros(B, T, K, dtype=torch.bool, device=dev)
+    if T <= 2 * int(n.min()):  # no row is past its trace
+        return Slots(active, allowed, active.clone())
+    i = torch.arange(K, device=dev)
+    lab_col, lev_col = (2 * i).clamp(max=T - 1), (2 * i + 1).clamp(max=T - 1)
+    is_level = resp[:, lev_col, None] == rule.levels.to(dev)  # [B, K, S]
+    entry_ok = (
+        (resp[:, lab_col] == rule.labels.to(dev))
+        & is_level.any(-1)
+        & known[:, lab_col]
+        & known[:, lev_col]
+        & (2 * i + 1 < T)
+    )
+    cand = i[None, :] < n[:, None]  # [B, K]
+    trace_ok = (entry_ok | ~cand).all(-1)  # [B]
+    level = torch.where(cand, is_level.long().argmax(-1), -1)  # [B, K]; -1: not a candidate of the row
+    slot_level = level.sort(-1, descending=True).values  # [B, K]: the level the answer's k-th label must have
+    slot_col = 2 * n[:, None] + rule.head + 2 * i[None, :]  # [B, K]
+    rows, slots = (trace_ok[:, None] & cand & (slot_col < T)).nonzero(as_tuple=True)
+    cols = slot_col[rows, slots]
+    active[rows, cols] = True
+    allowed[rows, cols] = level[rows] == slot_level[rows, slots, None]
+    after = trace_ok[:, None] & (torch.arange(T, device=dev)[None, :] >= 2 * n[:, None])
+    return Slots(active, allowed, after & ~active)
+
+
+def keep_slots(
+    logits: torch.Tensor, slots: Slots, seen: torch.Tensor | None, unique: torch.Tensor
+) -> torch.Tensor:
+    """logits [B, C, V] with every token but the allowed labels not yet written (seen [B, C or 1, K]) banned at the
+    active slots [B, C], and every label banned at the no-label positions. A slot with no such label left (the
+    answer put one elsewhere before the trace ruled it) is left as it is, so that some token stays possible."""
+    allowed = slots.allowed if seen is None else slots.allowed & ~seen
+    rule = slots.active & allowed.any(-1)
+    if not bool(rule.any() or slots.no_label.any()):
+        return logits
+    ban = torch.zeros(*allowed.shape[:2], logits.shape[-1], dtype=torch.bool, device=logits.device)
+    ban[rule] = True
+    ban[..., unique] = (rule[..., None] & ~allowed) | slots.no_label[..., None]
+    return logits.masked_fill(ban, float("-inf"))
+
+
+def _follow_n(
+    follow: TraceRule | None, unique: torch.Tensor | None, prompt_ids: torch.Tensor
+) -> torch.Tensor | None:
+    """Candidates per row when the answer follows the trace (None otherwise); the rule needs `unique`."""
+    if follow is None:
+        return None
+    if unique is None:
+        raise ValueError("follow (the answer follows the trace) needs unique (the answer's label tokens)")
+    return follow.n_candidates(prompt_ids)
+
+
+def _block_slots(
+    follow: TraceRule | None, n: torch.Tensor | None, resp: torch.Tensor, committed: torch.Tensor
+) -> Slots | None:
+    """`answer_slots` for the open block, the last committed.shape[1] columns of resp [B, end]: the positions
+    before the block are decoded, the block's are as far as `committed` says. None without the rule."""
+    if follow is None or n is None:
+        return None
+    cl = committed.shape[1]
+    known = torch.cat([torch.ones_like(resp[:, : resp.shape[1] - cl], dtype=torch.bool), committed], dim=1)
+    return answer_slots(follow, resp, known, n).cols(-cl)
 
 
 def _check_logprobs(logprobs: torch.Tensor | None, rule: Callable | None, shape: tuple[int, int]) -> None:
@@ -133,6 +245,7 @@ def ar_generate(
     pick: PickRule | None = None,
     logprobs: torch.Tensor | None = None,
     unique: torch.Tensor | None = None,
+    follow: TraceRule | None = None,
 ) -> tuple[torch.Tensor, int]:
     """AR decoding, batched with left padding. Returns (tokens [B, max_new_tokens], nfe).
 
@@ -140,7 +253,7 @@ def ar_generate(
     pick: the token choice from the last logits (default greedy arg-max, no log-probs computed).
     logprobs: optional output [B, max_new_tokens] (needs `pick`): each decoded token's log-prob as returned
     by `pick`, 0 for the eos filler written after a row finished.
-    unique: token ids written at most once per row (module docstring).
+    unique: token ids written at most once per row; follow: the answer follows the trace (module docstring).
     """
     fill = eos_id if eos_id is not None else model_pad_id(model)
     seq, _, attn, pos = _layout(prompts, max_new_tokens, model, fill)
@@ -148,6 +261,7 @@ def ar_generate(
     _check_logprobs(logprobs, pick, (B, max_new_tokens))
     done = torch.zeros(B, dtype=torch.bool, device=seq.device)
     seen = None if unique is None else torch.zeros(B, len(unique), dtype=torch.bool, device=seq.device)
+    n = _follow_n(follow, unique, seq[:, :P])
     cache = DynamicCache() if use_cache else None
     nfe = 0
     for t in range(max_new_tokens):
@@ -163,6 +277,10 @@ def ar_generate(
         nfe += 1
         if seen is not None and unique is not None and bool(seen.any()):  # nothing to ban before a label
             logits = ban_repeats(logits[:, None], seen[:, None], unique)[:, 0]
+        if follow is not None and n is not None and unique is not None:
+            resp = seq[:, P : P + t + 1]
+            slots = answer_slots(follow, resp, torch.ones_like(resp, dtype=torch.bool), n).cols(-1)
+            logits = keep_slots(logits[:, None], slots, None if seen is None else seen[:, None], unique)[:, 0]
         if pick is None:
             tok = logits.argmax(-1)
         else:
@@ -242,17 +360,20 @@ def _commit_round(
     eos_id: int | None,
     unique: torch.Tensor | None = None,
     seen: torch.Tensor | None = None,
+    slots: Slots | None = None,
 ) -> bool:
     """One commit round, shared by the diffusion loops: the commit rule on the token-shifted logits [B, c, V] of
     the block's first c positions, then its bookkeeping in place: the committed tokens into `block`, `rnd` into
     `traj`, their log-probs into `logprobs` (all three: the block's columns) and `committed` [B, cl].
     unique / seen [B, K]: the tokens written at most once, and which of them the response holds so far (updated
-    in place with this round's commits).
+    in place with this round's commits). slots: the block's positions the trace rules (`answer_slots`).
     Returns whether an eos was committed (only then can a row have finished)."""
     c = shifted.shape[1]
     masked = ~committed[:, :c]
     if seen is not None and unique is not None and bool(seen.any()):  # the trace holds none: no ban there
         shifted = ban_repeats(shifted, seen[:, None], unique)
+    if slots is not None and unique is not None:
+        shifted = keep_slots(shifted, slots.cols(0, c), None if seen is None else seen[:, None], unique)
     # the module global, looked up per round (tests spy on it)
     commit, pred, lp = (select_commits if commit_fn is None else commit_fn)(shifted, masked, tau)
     if seen is not None and unique is not None:  # ban what the response holds already
@@ -299,6 +420,7 @@ def diffusion_generate(
     commit_fn: CommitRule | None = None,
     logprobs: torch.Tensor | None = None,
     unique: torch.Tensor | None = None,
+    follow: TraceRule | None = None,
 ) -> tuple[torch.Tensor, int, torch.Tensor]:
     """Block-diffusion decoding with threshold commits (greedy by default). Returns (tokens, nfe, trajectory).
 
@@ -317,11 +439,22 @@ def diffusion_generate(
     commit_fn: the commit rule, called as commit_fn(shifted logits, masked, tau) -> (commit, tokens,
     log-probs) (default `select_commits`, no log-probs computed). logprobs: optional output
     [B, max_new_tokens] (needs `commit_fn`): each committed token's log-prob as returned by the rule,
-    0 where trajectory is -1. unique: token ids written at most once per row (module docstring).
+    0 where trajectory is -1. unique: token ids written at most once per row; follow: the answer follows the
+    trace (module docstring).
     """
     if not use_cache:
         return diffusion_generate_nocache(
-            model, prompts, max_new_tokens, block_size, tau, mask_id, eos_id, commit_fn, logprobs, unique
+            model,
+            prompts,
+            max_new_tokens,
+            block_size,
+            tau,
+            mask_id,
+            eos_id,
+            commit_fn,
+            logprobs,
+            unique,
+            follow,
         )
     L = max_new_tokens
     fill = eos_id if eos_id is not None else mask_id
@@ -332,6 +465,7 @@ def diffusion_generate(
     traj = torch.full((B, L), -1, dtype=torch.long, device=seq.device)
     done = torch.zeros(B, dtype=torch.bool, device=seq.device)
     seen = None if unique is None else torch.zeros(B, len(unique), dtype=torch.bool, device=seq.device)
+    n = _follow_n(follow, unique, seq[:, :P])
     cache, anchor = _prefill(model, seq, attn, pos, P)
     nfe, rnd, end = 1, 0, 0
     # Every response row's attention over prompt + response, built once; each block's masks are slices of it.
@@ -368,8 +502,20 @@ def diffusion_generate(
             else:  # only position 0 open: its logits (the anchor) do not depend on the canvas
                 shifted = anchor[:, None]
             lp = None if logprobs is None else logprobs[:, s0:end]
+            slots = _block_slots(follow, n, resp[:, :end], committed)
             eos_seen |= _commit_round(
-                shifted, committed, tau, commit_fn, block, traj[:, s0:end], lp, rnd, eos_id, unique, seen
+                shifted,
+                committed,
+                tau,
+                commit_fn,
+                block,
+                traj[:, s0:end],
+                lp,
+                rnd,
+                eos_id,
+                unique,
+                seen,
+                slots,
             )
             rnd += 1
             if eos_seen and eos_id is not None:  # (eos_seen implies an eos_id)
@@ -390,6 +536,7 @@ def diffusion_generate_nocache(
     commit_fn: CommitRule | None = None,
     logprobs: torch.Tensor | None = None,
     unique: torch.Tensor | None = None,
+    follow: TraceRule | None = None,
 ) -> tuple[torch.Tensor, int, torch.Tensor]:
     """The reference for `diffusion_generate`: every round re-runs prompt + finished blocks + canvas under
     `block_causal_mask`, so every finished block is seen exactly as its own clean forward. Same arguments, tokens
@@ -404,6 +551,7 @@ def diffusion_generate_nocache(
     traj = torch.full((B, L), -1, dtype=torch.long, device=seq.device)
     done = torch.zeros(B, dtype=torch.bool, device=seq.device)
     seen = None if unique is None else torch.zeros(B, len(unique), dtype=torch.bool, device=seq.device)
+    n = _follow_n(follow, unique, seq[:, :P])
     nfe, rnd, end = 0, 0, 0
     for s0 in range(0, L, block_size):
         if bool(done.all()):
@@ -423,8 +571,20 @@ def diffusion_generate_nocache(
             nfe += 1
             shifted = logits[:, P + s0 - 1 : T - 1]
             lp = None if logprobs is None else logprobs[:, s0:end]
+            slots = _block_slots(follow, n, resp[:, :end], committed)
             eos_seen |= _commit_round(
-                shifted, committed, tau, commit_fn, block, traj[:, s0:end], lp, rnd, eos_id, unique, seen
+                shifted,
+                committed,
+                tau,
+                commit_fn,
+                block,
+                traj[:, s0:end],
+                lp,
+                rnd,
+                eos_id,
+                unique,
+                seen,
+                slots,
             )
             rnd += 1
             if eos_seen and eos_id is not None:  # (eos_seen implies an eos_id)
@@ -444,6 +604,7 @@ def spec_generate(
     mask_id: int,
     eos_id: int | None,
     unique: torch.Tensor | None = None,
+    follow: TraceRule | None = None,
 ) -> tuple[torch.Tensor, int, int]:
     """Lossless speculative decoding: `ar_generate(verifier, ...)`'s tokens, with a block-diffusion draft.
 
@@ -461,8 +622,8 @@ def spec_generate(
     forward of the next block, as `diffusion_generate` does. Returns (tokens [B, max_new_tokens], nfe = draft
     plus verifier forwards, prefills included, verifier forwards).
 
-    unique: token ids written at most once per row; the draft and the verifier's arg-max both obey it, so the
-    output is `ar_generate(..., unique=unique)`'s.
+    unique, follow: token ids written at most once per row, and the answer follows the trace; the draft and the
+    verifier's arg-max both obey them, so the output is `ar_generate(..., unique=unique, follow=follow)`'s.
     """
     L = max_new_tokens
     fill = eos_id if eos_id is not None else model_pad_id(verifier)
@@ -470,6 +631,7 @@ def spec_generate(
     B, P = seq.shape[0], seq.shape[1] - L
     resp = seq[:, P:]
     done = torch.zeros(B, dtype=torch.bool, device=seq.device)
+    n = _follow_n(follow, unique, seq[:, :P])
     d_cache, anchor = _prefill(draft, seq, attn, pos, P)
     v_cache, v_logits = _prefill(verifier, seq, attn, pos, P)
     first = v_logits.argmax(-1)  # the verifier's next token (the first response token)
@@ -522,7 +684,8 @@ def spec_generate(
                         shifted = torch.cat([anchor[:, None], logits[:, :-1]], dim=1)
                 else:
                     shifted = anchor[:, None]
-                _commit_round(shifted, drafted, tau, None, block, None, None, 0, None, unique, seen)
+                slots = _block_slots(follow, n, resp[:, :end], drafted)
+                _commit_round(shifted, drafted, tau, None, block, None, None, 0, None, unique, seen, slots)
             # Verify: the verifier's arg-max for every position of the block, in one causal forward.
             new = v_stored < s0
             logits = verifier(
@@ -539,7 +702,18 @@ def spec_generate(
             v_stored = s0
             if unique is not None:  # each column bans what the response holds before the position it predicts
                 before = seen_before(resp[:, :end], unique)
-                logits = ban_repeats(logits, before[:, s0:] if new else before[:, s0 + 1 :], unique)
+                before = before[:, s0:] if new else before[:, s0 + 1 :]
+                logits = ban_repeats(logits, before, unique)
+                if follow is not None and n is not None:  # and keeps what the trace before it allows there
+                    ahead = seq[:, P : P + min(end + 1, L)]  # + the next block's first position
+                    sl = answer_slots(follow, ahead, torch.ones_like(ahead, dtype=torch.bool), n)
+                    if ahead.shape[1] == end:  # the response's last block: no position after it
+                        sl = Slots(
+                            F.pad(sl.active, (0, 1)),
+                            F.pad(sl.allowed, (0, 0, 0, 1)),
+                            F.pad(sl.no_label, (0, 1)),
+                        )
+                    logits = keep_slots(logits, sl.cols(s0 if new else s0 + 1), before, unique)
             top = logits.argmax(-1)
             if new:  # column 0 is the last finished column: it predicts position 0
                 want = top[:, :cl]

@@ -29,11 +29,19 @@ from typing import Any, NamedTuple
 import torch
 from transformers import PreTrainedModel
 
-from gr2.decode import ar_generate, diffusion_generate, spec_generate
+from gr2.decode import TraceRule, ar_generate, diffusion_generate, spec_generate
 from gr2.evidence import Evidence
 from gr2.inference import CONFIG_FILE, DECODERS, ITEMS_FILE, RankRequest, RankResult, register_reranker
 from gr2.model import load_model, save_model
-from gr2.prompt import answer_label_token, encode_prompt, parse_response, response_trace
+from gr2.prompt import (
+    ANSWER_HEAD,
+    answer_label_token,
+    encode_prompt,
+    label_token,
+    parse_response,
+    response_trace,
+    score_token,
+)
 from gr2.sid import SemanticIds
 from gr2.tokenizer import load_tokenizer
 
@@ -90,9 +98,20 @@ class GenerativeReranker:
         self.item_tokens = str(prompt.get("item_tokens", "all"))  # bundles before it: "all"
         # The answer labels every decoder writes at most once (bundles before it: no such rule).
         self.unique = None
+        self.follow = None  # the answer follows the trace (bundles before it: no such rule)
+        k = range(int(prompt.get("max_labels", 26)))
         if prompt.get("unique_labels", False):
-            labels = [answer_label_token(i) for i in range(int(prompt.get("max_labels", 26)))]
-            self.unique = torch.tensor(tokenizer.convert_tokens_to_ids(labels), dtype=torch.long)
+            self.unique = torch.tensor(tokenizer.convert_tokens_to_ids([answer_label_token(i) for i in k]))
+            if prompt.get("follow_trace", False):
+                self.follow = TraceRule(
+                    labels=torch.tensor(tokenizer.convert_tokens_to_ids([label_token(i) for i in k])),
+                    levels=torch.tensor(
+                        tokenizer.convert_tokens_to_ids(
+                            [score_token(v) for v in range(int(prompt.get("score_levels", 8)))]
+                        )
+                    ),
+                    head=len(tokenizer(ANSWER_HEAD, add_special_tokens=False)["input_ids"]),
+                )
 
     @property
     def decoders(self) -> tuple[str, ...]:
@@ -196,7 +215,9 @@ class GenerativeReranker:
             chunk = prompts[b0 : b0 + batch]
             t0 = time.perf_counter()
             if decoder == "ar":
-                toks, n = ar_generate(self.model, chunk, self.max_new_tokens, eos, unique=self.unique)
+                toks, n = ar_generate(
+                    self.model, chunk, self.max_new_tokens, eos, unique=self.unique, follow=self.follow
+                )
             elif decoder == "spec":
                 assert self.verifier is not None  # checked above
                 toks, n, n_verify = spec_generate(
@@ -209,6 +230,7 @@ class GenerativeReranker:
                     self.tokenizer.mask_token_id,
                     eos,
                     unique=self.unique,
+                    follow=self.follow,
                 )
                 verifier_nfe += n_verify
             else:
@@ -221,6 +243,7 @@ class GenerativeReranker:
                     self.tokenizer.mask_token_id,
                     eos,
                     unique=self.unique,
+                    follow=self.follow,
                 )
             seconds += time.perf_counter() - t0
             nfe += n

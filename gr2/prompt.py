@@ -169,10 +169,13 @@ def encode_prompt(
     return [tokenizer.bos_token_id, *_encode(tokenizer, text)]
 
 
+ANSWER_HEAD = '{ "ranking" : ['  # the answer's tokens before its first label; labels then sit one token apart
+
+
 def render_answer(ranking_labels: Sequence[int | str]) -> str:
     """The JSON answer as space-separated tokens; json.loads accepts it as is."""
     labels = [answer_label_token(r) if isinstance(r, int | np.integer) else f'"{r}"' for r in ranking_labels]
-    return '{ "ranking" : [ ' + " , ".join(labels) + " ] }"
+    return f"{ANSWER_HEAD} " + " , ".join(labels) + " ] }"
 
 
 def render_response(trace: str | None, ranking_labels: Sequence[int | str]) -> str:

@@ -33,7 +33,17 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from gr2.decode import ar_generate, ban_repeats, diffusion_generate, pad_prompts, threshold_commits
+from gr2.decode import (
+    Slots,
+    TraceRule,
+    answer_slots,
+    ar_generate,
+    ban_repeats,
+    diffusion_generate,
+    keep_slots,
+    pad_prompts,
+    threshold_commits,
+)
 from gr2.losses import Batch, certainty_entropy, diffusion_logits, sample_masks
 from gr2.model import block_causal_mask, decoder_and_head, position_ids_for
 
@@ -141,13 +151,16 @@ def sample_ar(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     unique: torch.Tensor | None = None,
+    follow: TraceRule | None = None,
 ) -> Rollouts:
     """AR sampling: `ar_generate` (KV cache) with `_pick` as the token choice; temperature 0 = greedy."""
     ids, pad_lens = pad_prompts(prompts, model)  # the decoder's own layout, kept in the Rollouts
     dev = ids.device
     lps = torch.zeros(len(prompts), max_new_tokens, device=dev)
     pick = partial(_pick, temperature=temperature, gen=generator)
-    tokens, nfe = ar_generate(model, prompts, max_new_tokens, eos_id, pick=pick, logprobs=lps, unique=unique)
+    tokens, nfe = ar_generate(
+        model, prompts, max_new_tokens, eos_id, pick=pick, logprobs=lps, unique=unique, follow=follow
+    )
     # AR decodes every column up to its row's first eos, column t at step t; later columns are eos filler.
     decoded = scored_positions(tokens, torch.zeros_like(tokens), eos_id)
     traj = torch.where(decoded, torch.arange(max_new_tokens, device=dev).expand_as(tokens), -1)
@@ -176,6 +189,7 @@ def sample_diffusion(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     unique: torch.Tensor | None = None,
+    follow: TraceRule | None = None,
 ) -> Rollouts:
     """Block-diffusion sampling: `diffusion_generate` (cached: same rounds, anchors, nfe and trajectory) with
     `sample_commits` as the commit rule. temperature 0 reproduces `diffusion_generate` exactly."""
@@ -194,6 +208,7 @@ def sample_diffusion(
         commit_fn=commit_fn,
         logprobs=lps,
         unique=unique,
+        follow=follow,
     )
     return Rollouts(ids, pad_lens, tokens, traj, lps, nfe)
 
@@ -209,15 +224,27 @@ def sample(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     unique: torch.Tensor | None = None,
+    follow: TraceRule | None = None,
 ) -> Rollouts:
-    """The model's own decoder, sampling: AR for block_size 0, block diffusion otherwise. unique: the tokens
-    written at most once per row (gr2/decode.py); `policy_logits` must then replay with the same."""
+    """The model's own decoder, sampling: AR for block_size 0, block diffusion otherwise. unique, follow: the
+    tokens written at most once per row, the answer follows the trace (gr2/decode.py); `policy_logits` must then
+    replay with the same."""
     if block_size <= 0:
-        return sample_ar(model, prompts, max_new_tokens, eos_id, temperature, generator, unique)
+        return sample_ar(model, prompts, max_new_tokens, eos_id, temperature, generator, unique, follow)
     if mask_id is None:
         raise ValueError("block diffusion sampling needs mask_id")
     return sample_diffusion(
-        model, prompts, max_new_tokens, block_size, tau, mask_id, eos_id, temperature, generator, unique
+        model,
+        prompts,
+        max_new_tokens,
+        block_size,
+        tau,
+        mask_id,
+        eos_id,
+        temperature,
+        generator,
+        unique,
+        follow,
     )
 
 
@@ -288,17 +315,38 @@ def policy_logits(
     block_size: int,
     mask_id: int | None = None,
     unique: torch.Tensor | None = None,
+    follow: TraceRule | None = None,
 ) -> torch.Tensor:
     """Logits [B, R, V] the policy assigned to each response token when it was generated (R = batch.resp_len).
 
     block_size 0 (AR): one causal forward. Otherwise trajectory replay (module docstring), one forward.
-    unique: the rollouts were sampled with it; each token's logits then ban what was committed before it."""
+    unique (and follow): the rollouts were sampled with it; each token's logits then ban what was committed
+    before it (and what the trace rules out there, once the trace was committed before it)."""
     logits = _replay_logits(model, batch, block_size, mask_id)
     if unique is None:
         return logits
-    return ban_repeats(
-        logits, committed_before(batch.input_ids[:, batch.prompt_len :], batch.traj, unique), unique
-    )
+    tokens = batch.input_ids[:, batch.prompt_len :]
+    seen = committed_before(tokens, batch.traj, unique)
+    logits = ban_repeats(logits, seen, unique)
+    if follow is not None:
+        slots = slots_at_commit(follow, tokens, batch.traj, batch.input_ids[:, : batch.prompt_len])
+        logits = keep_slots(logits, slots, seen, unique)
+    return logits
+
+
+def slots_at_commit(
+    follow: TraceRule, tokens: torch.Tensor, traj: torch.Tensor, prompt_ids: torch.Tensor
+) -> Slots:
+    """`answer_slots` as the decoder applied them: active at a token committed after the whole trace was (traj:
+    commit rounds, AR: columns; -1 = never decoded)."""
+    n = follow.n_candidates(prompt_ids)
+    slots = answer_slots(follow, tokens, traj >= 0, n)
+    in_trace = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < 2 * n[:, None]
+    trace_round = (
+        traj.masked_fill(~in_trace, -1).max(-1).values
+    )  # [B]: when the trace's last token was committed
+    after = traj > trace_round[:, None]
+    return Slots(slots.active & after, slots.allowed, slots.no_label & after)
 
 
 def committed_before(tokens: torch.Tensor, traj: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:
@@ -436,6 +484,7 @@ def grpo_loss(
     certainty_weight: float = 0.0,
     eos_id: int | None = None,
     unique: torch.Tensor | None = None,
+    follow: TraceRule | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """The RL loss of a rollout batch: replayed (or AR) log-probs -> clipped surrogate, plus
     certainty_weight * `rollout_certainty` (block diffusion only; its noise is seeded by the step, so a resumed
@@ -449,7 +498,7 @@ def grpo_loss(
         loss = torch.stack([p.sum() for p in model.parameters() if p.requires_grad]).sum() * 0.0
         stats = {"clip_frac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0}
     else:
-        logits = policy_logits(model, batch, block_size, mask_id, unique)
+        logits = policy_logits(model, batch, block_size, mask_id, unique, follow)
         lp = token_logprobs(logits, batch.input_ids[:, batch.prompt_len :], temperature)
         loss, stats = clipped_surrogate(
             lp, batch.old_logprobs, batch.advantages, batch.scored, clip_eps, clip_eps_high

@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 
 from gr2.config import OPDConfig, Profile, RLConfig, TrainConfig
+from gr2.decode import TraceRule
 from gr2.generative import GenerativeReranker, load_bundle_parts, load_verifier
 from gr2.losses import Batch
 from gr2.model import add_lora, load_model
@@ -101,6 +102,7 @@ class RLBatches:
     max_new_tokens: int
     seed: int
     unique: torch.Tensor | None = None  # answer labels written at most once (the serving decoders' rule)
+    follow: TraceRule | None = None  # the answer follows the trace (the serving decoders' rule)
 
     def __call__(self, step: int) -> RolloutBatch:
         rc, G = self.rc, self.rc.group_size
@@ -119,6 +121,7 @@ class RLBatches:
             rc.temperature,
             _generator(self.seed, step),
             self.unique,
+            self.follow,
         )
         sample_s = time.perf_counter() - t0
         scored = [
@@ -389,6 +392,7 @@ def train_rl(
         max_new_tokens=rr.max_new_tokens,
         seed=profile.seed,
         unique=rr.unique,
+        follow=rr.follow,
     )
     fn = partial(
         grpo_loss,
@@ -400,6 +404,7 @@ def train_rl(
         certainty_weight=rc.certainty_weight,
         eos_id=tok.eos_token_id,
         unique=rr.unique,
+        follow=rr.follow,
     )
     val = validation_lists(examples, rc.val_lists, profile.seed)
     decoder = "diffusion" if bs > 0 else "ar"

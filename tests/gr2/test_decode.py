@@ -13,6 +13,7 @@ from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
 from gr2.model import convert_to_diffusion
 from gr2.train import BucketedBatches, train
 from tests.gr2.test_train import EOS, MASK, PAD, toy_items, toy_model
+from tests.gr2.trace_toy import ANSWER, ANSWER_IDS, FOLLOW, follows, trace_items
 
 BS = 4
 
@@ -290,3 +291,71 @@ def test_one_of_each_keeps_the_most_confident():
     unique = torch.tensor([7, 8])
     # 7 at columns 0, 1, 3: column 1 wins (0.9, leftmost of the tie); 9 is not unique; column 4 is not committed
     assert dec.one_of_each(commit, pred, conf, unique).tolist() == [[False, True, True, False, False]]
+
+
+# --- the answer follows the trace (decode.follow_bans): the toy task of tests/gr2/trace_toy.py ----------------
+def test_answer_slots_by_hand():
+    # 3 candidates, levels 1, 3, 1: the answer's first label must be B (level 3), then A or C, then A or C.
+    resp = torch.tensor([[5, 12, 6, 14, 7, 12, 15, 16, 17, 23, 18, 23, 19]])
+    everything = torch.ones_like(resp, dtype=torch.bool)
+    slots = dec.answer_slots(FOLLOW, resp, everything, torch.tensor([3]))
+    assert slots.active[0].nonzero().flatten().tolist() == [8, 10, 12]  # the answer's labels, nothing else
+    assert slots.no_label[0].nonzero().flatten().tolist() == [6, 7, 9, 11]  # the head and the commas
+    assert slots.allowed[0, 8].tolist() == [False, True, False, False, False, False]
+    assert (
+        slots.allowed[0, 10].tolist()
+        == slots.allowed[0, 12].tolist()
+        == [True, False, True, False, False, False]
+    )
+    # An undecoded trace position, or a trace that is not label-then-level, rules nothing.
+    known = everything.clone()
+    known[0, 3] = False
+    assert not dec.answer_slots(FOLLOW, resp, known, torch.tensor([3])).active.any()
+    bad = resp.clone()
+    bad[0, 2] = 7  # C where B belongs
+    assert not dec.answer_slots(FOLLOW, bad, everything, torch.tensor([3])).active.any()
+    # At a ruled slot only the allowed labels not yet written stay; a slot with none left is not ruled.
+    logits = torch.zeros(1, 3, 24)
+    kept = dec.keep_slots(logits, slots.cols(8, 11), torch.tensor([[[False] * 6]]), ANSWER_IDS)
+    assert (kept[0, 0] > -1).nonzero().flatten().tolist() == [ANSWER[1]]
+    assert (kept[0, 1] > -1).sum() == 24 - 6  # a comma's position: any token but a label
+    seen_a_c = torch.tensor([[[True, False, True, False, False, False]]])
+    assert (dec.keep_slots(logits, slots.cols(10, 11), seen_a_c, ANSWER_IDS) > -1).all()
+    assert not dec.answer_slots(FOLLOW, resp[:, :6], everything[:, :6], torch.tensor([3])).no_label.any()
+
+
+def test_every_decoder_answers_by_the_trace_with_follow(trace_models):
+    ar, diff = trace_models
+    ps = [p for p, _, _ in trace_items(24, 7)]
+    outs = {
+        "ar": ar_generate(ar, ps, 24, EOS, unique=ANSWER_IDS)[0],
+        "diffusion": diffusion_generate(diff, ps, 24, BS, 0.5, MASK, EOS, unique=ANSWER_IDS)[0],
+    }
+    free = [follows(p, r) for name in outs for p, r in zip(ps, outs[name].tolist(), strict=True)]
+    assert free.count(True) + free.count(False) >= len(free) // 4 and False in free  # answers that ignore it
+    outs = {
+        "ar": ar_generate(ar, ps, 24, EOS, unique=ANSWER_IDS, follow=FOLLOW)[0],
+        "diffusion": diffusion_generate(diff, ps, 24, BS, 0.5, MASK, EOS, unique=ANSWER_IDS, follow=FOLLOW)[
+            0
+        ],
+        "spec": spec_generate(diff, ar, ps, 24, BS, 0.5, MASK, EOS, unique=ANSWER_IDS, follow=FOLLOW)[0],
+    }
+    for name, toks in outs.items():
+        got = [follows(p, r) for p, r in zip(ps, toks.tolist(), strict=True)]
+        assert got.count(True) >= len(got) // 4 and False not in got, name
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.5, 0.0])
+def test_follow_keeps_the_equivalences(trace_models, tau):
+    """cache == no cache, block 1 == AR and spec == AR hold with the trace rule too."""
+    ar, diff = trace_models
+    ps = [p for p, _, _ in trace_items(12, 8)]
+    kw = {"unique": ANSWER_IDS, "follow": FOLLOW}
+    a, _ = ar_generate(ar, ps, 24, EOS, **kw)
+    assert torch.equal(a, ar_generate(ar, ps, 24, EOS, use_cache=False, **kw)[0])
+    assert torch.equal(a, diffusion_generate(ar, ps, 24, 1, tau, MASK, EOS, **kw)[0])
+    assert torch.equal(a, spec_generate(diff, ar, ps, 24, BS, tau, MASK, EOS, **kw)[0])
+    for bs in (3, 4):
+        d, _, t1 = diffusion_generate(diff, ps, 24, bs, tau, MASK, EOS, **kw)
+        e, _, t2 = diffusion_generate(diff, ps, 24, bs, tau, MASK, EOS, use_cache=False, **kw)
+        assert torch.equal(d, e) and torch.equal(t1, t2)

@@ -14,12 +14,14 @@ from gr2.rl import (
     policy_logits,
     rollout_batch,
     rollout_certainty,
+    sample,
     sample_ar,
     sample_diffusion,
     token_logprobs,
 )
 from gr2.stages.opd_rl import prompts_for_step, rl_config
 from tests.gr2.test_train import EOS, MASK, toy_items, toy_model
+from tests.gr2.trace_toy import ANSWER_IDS, FOLLOW, follows, trace_items
 
 BS = 4
 
@@ -239,4 +241,21 @@ def test_replay_with_unique_tokens_matches_the_constrained_sampler():
         lp = token_logprobs(policy_logits(model, batch, bs, MASK, unique), resp)
         assert (lp - batch.old_logprobs)[batch.scored].abs().max() < 1e-4
         free = token_logprobs(policy_logits(model, batch, bs, MASK), resp)
+        assert (free - batch.old_logprobs)[batch.scored].abs().max() > 1e-3
+
+
+def test_replay_with_the_trace_rule_matches_the_constrained_sampler(trace_models):
+    """Rollouts sampled with `follow` (the answer follows the trace) replay to the sampler's log-probs only when
+    the replay applies the trace's bans to the tokens committed after the trace; without them they do not."""
+    ar, diff = trace_models
+    g = torch.Generator().manual_seed(0)
+    ps = [p for p, _, _ in trace_items(16, 5)]
+    for model, bs in ((diff, BS), (ar, 0)):
+        ro = sample(model, ps, 24, bs, EOS, MASK, 0.5, 1.0, g, ANSWER_IDS, FOLLOW)
+        batch = rollout_batch(ro, EOS)
+        resp = batch.input_ids[:, batch.prompt_len :]
+        assert [follows(p, r) for p, r in zip(ps, ro.tokens.tolist(), strict=True)].count(True) >= 4
+        lp = token_logprobs(policy_logits(model, batch, bs, MASK, ANSWER_IDS, FOLLOW), resp)
+        assert (lp - batch.old_logprobs)[batch.scored].abs().max() < 1e-4
+        free = token_logprobs(policy_logits(model, batch, bs, MASK, ANSWER_IDS), resp)
         assert (free - batch.old_logprobs)[batch.scored].abs().max() > 1e-3

@@ -1,0 +1,12 @@
+"""Suite-wide test settings."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping of tests by shared fixtures
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow (end-to-end) tests first, in their order: under pytest-xdist (`make test` runs `-n auto`) they start at
+    once, beside the fast tests, instead of last on a single worker."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

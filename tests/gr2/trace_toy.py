@@ -1,0 +1,49 @@
+"""A toy of the real response format for the trace rule (gr2/decode.py `follow_bans`): the prompt shows each
+candidate's label and its level; the response writes a trace (label, level per candidate), a 2-token head, then the
+labels in a random order, so an unconstrained answer ignores the trace. Its trained models: the `trace_models` fixture (conftest.py)."""
+
+from __future__ import annotations
+
+import torch
+
+import gr2.decode as dec
+from tests.gr2.test_train import BOS, EOS
+
+BS = 4
+LABELS, LEVELS, HEAD, ANSWER, COMMA = (
+    list(range(5, 11)),
+    list(range(11, 15)),
+    [15, 16],
+    list(range(17, 23)),
+    23,
+)
+FOLLOW = dec.TraceRule(torch.tensor(LABELS), torch.tensor(LEVELS), head=len(HEAD))
+ANSWER_IDS = torch.tensor(ANSWER)
+
+
+def trace_items(n: int, seed: int) -> list:
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        k = int(torch.randint(3, 5, (1,), generator=rng))
+        lev = [LEVELS[int(v)] for v in torch.randint(0, 4, (k,), generator=rng)]
+        trace = [t for i in range(k) for t in (LABELS[i], lev[i])]
+        order = torch.randperm(k, generator=rng).tolist()
+        answer = [t for j, i in enumerate(order) for t in ([COMMA] if j else []) + [ANSWER[i]]]
+        resp = trace + HEAD + answer + [EOS]
+        out.append(([BOS, *trace], resp, [1.0] * len(resp)))
+    return out
+
+
+def follows(prompt: list[int], row: list[int]) -> bool | None:
+    """Whether the answer lists the candidates by non-increasing level of the response's own trace; None without
+    a well-formed trace and a whole answer."""
+    k = len(prompt) // 2
+    trace = row[: 2 * k]
+    if trace[::2] != LABELS[:k] or not set(trace[1::2]) <= set(LEVELS):
+        return None
+    level = {ANSWER[i]: LEVELS.index(trace[2 * i + 1]) for i in range(k)}
+    answer = row[2 * k + len(HEAD) :: 2][:k]
+    if sorted(answer) != sorted(level):
+        return None
+    return all(level[a] >= level[b] for a, b in zip(answer, answer[1:], strict=False))

@@ -1,18 +1,13 @@
 """Decoders: KV cache == no cache, block_size 1 diffusion == AR, spec == AR, the commit rule, exact nfe,
 trajectories."""
 
-import functools
-
 import pytest
 import torch
 
 import gr2.decode as dec
-from gr2.config import TrainConfig
 from gr2.decode import ar_generate, diffusion_generate, select_commits, spec_generate
-from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
 from gr2.model import convert_to_diffusion
-from gr2.train import BucketedBatches, train
-from tests.gr2.test_train import EOS, MASK, PAD, toy_items, toy_model
+from tests.gr2.test_train import EOS, MASK, toy_items, toy_model, toy_sft_and_cft
 from tests.gr2.trace_toy import ANSWER, ANSWER_IDS, FOLLOW, follows, trace_items
 
 BS = 4
@@ -23,29 +18,8 @@ def models(tmp_path_factory):
     """A briefly trained AR model (SFT) and its CFT'd block-diffusion conversion: confident enough that
     several tokens clear tau in one round, and eos is produced."""
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    cfg = TrainConfig(
-        lr=1e-2, batch_size=16, max_steps=120, epochs=0, warmup=5, checkpoint_every=0, log_every=0
-    )
-    items = toy_items(512, 10)
-    ar = toy_model()
-    train(
-        ar,
-        BucketedBatches(items, 16, functools.partial(collate, pad_id=PAD)),
-        ar_batch_loss,
-        cfg,
-        tmp_path_factory.mktemp("sft"),
-    )
-    diff = convert_to_diffusion(ar, BS, MASK)
-    cft = BucketedBatches(items, 16, functools.partial(collate, pad_id=PAD, block_size=BS, resp_pad_id=EOS))
-    train(
-        diff,
-        cft,
-        lambda m, b, g: masked_diffusion_loss(m, b, BS, MASK, g),
-        cfg,
-        tmp_path_factory.mktemp("cft"),
-    )
-    yield ar.cpu(), diff.cpu()  # a CPU suite even where accelerate trained on a GPU (tests/gpu covers CUDA)
+    torch.set_num_threads(1)  # the decoders too, as in training
+    yield toy_sft_and_cft(toy_items(512, 10), BS, 120, tmp_path_factory)
     torch.set_num_threads(n)
 
 

@@ -44,6 +44,37 @@ def toy_model(seed: int = 0):
     return build_model(TINY, V, PAD, EOS, BOS, MASK, seed=seed)
 
 
+def toy_sft_and_cft(items: list, block_size: int, max_steps: int, tmp_path_factory) -> tuple:
+    """A toy AR model trained on `items` (SFT), and its block-diffusion conversion trained on them too (CFT), on
+    one thread; returned on the CPU (the suite's device even where accelerate trained on a GPU)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = TrainConfig(
+        lr=1e-2, batch_size=16, max_steps=max_steps, epochs=0, warmup=5, checkpoint_every=0, log_every=0
+    )
+    ar = toy_model()
+    train(
+        ar,
+        BucketedBatches(items, 16, functools.partial(collate, pad_id=PAD)),
+        ar_batch_loss,
+        cfg,
+        tmp_path_factory.mktemp("sft"),
+    )
+    diff = convert_to_diffusion(ar, block_size, MASK)
+    cft = BucketedBatches(
+        items, 16, functools.partial(collate, pad_id=PAD, block_size=block_size, resp_pad_id=EOS)
+    )
+    train(
+        diff,
+        cft,
+        lambda m, b, g: masked_diffusion_loss(m, b, block_size, MASK, g),
+        cfg,
+        tmp_path_factory.mktemp("cft"),
+    )
+    torch.set_num_threads(n)
+    return ar.cpu(), diff.cpu()
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     n = torch.get_num_threads()

@@ -174,6 +174,9 @@ class TeacherConfig:
     # verdicts), "label" = the held-out item first, then the teacher's order. Chosen on validation on two
     # datasets (README: closing the distillation gap); RL then trains on the held-out items' reward.
     answer: str = "teacher"
+    # What the teacher reads: "raw" evidence, or "buckets": each feature's prompt bucket (gr2/teacher.py), so the
+    # trace is a function of the prompt the student sees.
+    inputs: str = "raw"
 
 
 @dataclass(frozen=True)
@@ -315,6 +318,12 @@ def profile_from_dict(raw: dict[str, Any], where: str = "profile") -> Profile:
 
 def load_profile(name_or_path: str, overrides: dict[str, Any] | None = None) -> Profile:
     """Load `profiles/<name>.yaml` (or a path), then apply dotted overrides like {"sft.max_steps": 10}."""
+    raw, path = profile_raw(name_or_path, overrides)
+    return profile_from_dict(raw, where=str(path))
+
+
+def profile_raw(name_or_path: str, overrides: dict[str, Any] | None = None) -> tuple[dict[str, Any], Path]:
+    """(the profile's raw dict with the dotted overrides applied, its file): what `load_profile` builds from."""
     path = Path(name_or_path)
     if not path.suffix:
         path = PROFILE_DIR / f"{name_or_path}.yaml"
@@ -329,4 +338,4 @@ def load_profile(name_or_path: str, overrides: dict[str, Any] | None = None) -> 
             node = node.setdefault(p, {})
         node[leaf] = value
     raw.setdefault("name", path.stem)
-    return profile_from_dict(raw, where=str(path))
+    return raw, path

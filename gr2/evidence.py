@@ -322,8 +322,15 @@ class Evidence:
         """Integer buckets 0..n_buckets-1 per feature (same shape as X); needs fit_buckets first."""
         if self.bucket_edges is None:
             raise RuntimeError("Evidence.buckets: call fit_buckets on training features first")
-        e = self.bucket_edges
-        return sum(((X > e[:, i]).astype(np.int64) for i in range(e.shape[1])), np.zeros(X.shape, np.int64))
+        return bucketize(X, self.bucket_edges)
+
+
+def bucketize(X: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Integer buckets per feature: how many of the feature's edges ([F, n_buckets - 1]) each value of X
+    ([..., F]) exceeds. The one bucketing rule, for the prompts and for a teacher that reads the same buckets."""
+    return sum(
+        ((X > edges[:, i]).astype(np.int64) for i in range(edges.shape[1])), np.zeros(X.shape, np.int64)
+    )
 
 
 def unsupplied_features(table: pd.DataFrame) -> dict[str, str]:

@@ -34,6 +34,7 @@ from scipy.optimize import minimize
 from tqdm import tqdm
 
 from gr2.config import Profile, TeacherConfig
+from gr2.evidence import bucketize
 from gr2.prompt import encode_example, render_trace
 from gr2.sid import SemanticIds
 
@@ -58,15 +59,47 @@ def score_quantiles(levels: int) -> np.ndarray:
     return np.arange(1, max(levels, 1)) / max(levels, 1)
 
 
+def bucket_means(features: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """[F, n_buckets]: each feature's mean training value inside each of its prompt buckets (an empty bucket
+    takes its lower edge), so a bucketed feature keeps the raw feature's scale."""
+    x = features.reshape(-1, features.shape[-1])
+    b = bucketize(x, edges)
+    out = np.zeros((x.shape[1], edges.shape[1] + 1))
+    for f in range(x.shape[1]):
+        for k in range(out.shape[1]):
+            inside = x[b[:, f] == k, f]
+            out[f, k] = inside.mean() if len(inside) else edges[f, max(k - 1, 0)]
+    return out
+
+
+def bucket_inputs(features: np.ndarray, edges: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """[..., F] raw evidence -> [..., F]: each value replaced by the value of its bucket (`bucket_means`)."""
+    b = bucketize(features, edges).reshape(-1, features.shape[-1])
+    return np.take_along_axis(values, b.T, axis=1).T.reshape(features.shape)
+
+
 @dataclass
 class Teacher:
-    """Listwise softmax scorer s(c) = w . standardise([x_c, x_c^2, x_ci * x_cj]) with score-level edges."""
+    """Listwise softmax scorer s(c) = w . standardise([x_c, x_c^2, x_ci * x_cj]) with score-level edges.
+
+    With `bucket_edges` (TeacherConfig.inputs "buckets") x_c is not the raw evidence but what the prompt shows of
+    it: each feature's bucket, read as the bucket's mean training value. The trace's levels are then a function
+    of the prompt's tokens alone, which a student can learn exactly (README: a trace the student can compute)."""
 
     weights: np.ndarray  # [E]
     mean: np.ndarray  # [E]
     std: np.ndarray  # [E]
     feature_names: tuple[str, ...]
     score_edges: np.ndarray  # [L - 1] ascending: level = number of edges a score exceeds
+    bucket_edges: np.ndarray | None = None  # [F, n_buckets - 1]: the prompt's evidence buckets (None = raw)
+    bucket_values: np.ndarray | None = None  # [F, n_buckets]: the value each bucket stands for
+
+    def inputs(self, features: np.ndarray) -> np.ndarray:
+        """The evidence as the teacher reads it: raw, or each feature's bucket value."""
+        x = np.asarray(features, dtype=np.float64)
+        if self.bucket_edges is None or self.bucket_values is None:
+            return x
+        return bucket_inputs(x, self.bucket_edges, self.bucket_values)
 
     @classmethod
     def fit(
@@ -76,10 +109,16 @@ class Teacher:
         feature_names: Sequence[str],
         l2: float = 1e-3,
         score_levels: int = 8,
+        bucket_edges: np.ndarray | None = None,
     ) -> Teacher:
         """Maximise mean log softmax(score)[label] over training lists [L, N, F] (L-BFGS, ridge l2), then place the
-        score-level edges at `score_quantiles` of the fitted scores of these lists."""
-        z = _expand(np.asarray(features, dtype=np.float64))
+        score-level edges at `score_quantiles` of the fitted scores of these lists. With `bucket_edges` the
+        teacher reads each feature's prompt bucket instead of its raw value."""
+        features = np.asarray(features, dtype=np.float64)
+        values = None if bucket_edges is None else bucket_means(features, bucket_edges)
+        if values is not None:
+            features = bucket_inputs(features, bucket_edges, values)
+        z = _expand(features)
         mean = z.reshape(-1, z.shape[-1]).mean(0)
         std = z.reshape(-1, z.shape[-1]).std(0) + 1e-8
         z = (z - mean) / std
@@ -100,11 +139,12 @@ class Teacher:
             loss_grad, np.zeros(z.shape[-1]), jac=True, method="L-BFGS-B", options={"maxiter": 500}
         )
         edges = np.quantile(z @ res.x, score_quantiles(score_levels)) if len(labels) else np.zeros(0)
-        return cls(res.x, mean, std, tuple(feature_names), np.asarray(edges, dtype=np.float64))
+        edges = np.asarray(edges, dtype=np.float64)
+        return cls(res.x, mean, std, tuple(feature_names), edges, bucket_edges, values)
 
     def scores(self, features: np.ndarray) -> np.ndarray:
-        """[..., N, F] -> [..., N] (higher = better)."""
-        return ((_expand(np.asarray(features, dtype=np.float64)) - self.mean) / self.std) @ self.weights
+        """[..., N, F] raw evidence -> [..., N] (higher = better)."""
+        return ((_expand(self.inputs(features)) - self.mean) / self.std) @ self.weights
 
     def levels(self, features: np.ndarray) -> np.ndarray:
         """[..., N, F] -> [..., N] integer score levels 0 .. len(score_edges) (the trace's tokens)."""
@@ -126,6 +166,8 @@ class Teacher:
             "feature_names": list(self.feature_names),
             "score_edges": self.score_edges.tolist(),
         }
+        if self.bucket_edges is not None and self.bucket_values is not None:
+            raw |= {"bucket_edges": self.bucket_edges.tolist(), "bucket_values": self.bucket_values.tolist()}
         Path(path).write_text(json.dumps(raw))
 
     @classmethod
@@ -137,6 +179,8 @@ class Teacher:
             std=np.asarray(raw["std"]),
             feature_names=tuple(raw["feature_names"]),
             score_edges=np.asarray(raw["score_edges"], dtype=np.float64),
+            bucket_edges=np.asarray(raw["bucket_edges"]) if "bucket_edges" in raw else None,
+            bucket_values=np.asarray(raw["bucket_values"]) if "bucket_values" in raw else None,
         )
 
 
@@ -147,12 +191,22 @@ def fit_teacher(
     cfg: TeacherConfig,
     score_levels: int,
     seed: int = 0,
+    bucket_edges: np.ndarray | None = None,
 ) -> Teacher:
-    """Fit on (a seeded subsample of at most cfg.max_train_lists) training lists."""
+    """Fit on (a seeded subsample of at most cfg.max_train_lists) training lists; on the prompt's buckets
+    (`bucket_edges`, the evidence's) when cfg.inputs is "buckets"."""
+    if cfg.inputs not in TEACHER_INPUTS:
+        raise ValueError(f"teacher.inputs must be one of {TEACHER_INPUTS}, got {cfg.inputs!r}")
+    if cfg.inputs == "buckets" and bucket_edges is None:
+        raise ValueError('teacher.inputs "buckets" needs the evidence bucket edges')
     idx = np.arange(len(labels))
     if cfg.max_train_lists and len(idx) > cfg.max_train_lists:
         idx = np.sort(np.random.default_rng(seed).choice(idx, cfg.max_train_lists, replace=False))
-    return Teacher.fit(features[idx], np.asarray(labels)[idx], feature_names, cfg.l2, score_levels)
+    edges = bucket_edges if cfg.inputs == "buckets" else None
+    return Teacher.fit(features[idx], np.asarray(labels)[idx], feature_names, cfg.l2, score_levels, edges)
+
+
+TEACHER_INPUTS = ("raw", "buckets")
 
 
 ANSWERS = ("teacher", "label")

@@ -20,8 +20,11 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import yaml
+
 from components._lib.paths import REPO_ROOT, repo_relative
 from components._lib.report_io import table_markdown
+from gr2.config import profile_raw
 
 
 def _dataset_label(dataset: str) -> str:
@@ -80,8 +83,12 @@ def run_local(
     benchmark_dir: str | None = None,
     command: str = "",
     serve_smoke: bool = True,
+    overrides: dict | None = None,
 ) -> dict:
     """Execute the pipeline locally; returns {"run_dir", "report" (or None), "validation", "seconds"}.
+
+    overrides: dotted profile keys ({"seed": 1}); the profile they give is written to runs/<id>/profile.yaml and
+    every step reads that file.
 
     serve_smoke: then serve the deployable model on 127.0.0.1 behind the Feast transformer and send it real
     requests (serving/smoke_local.py); the summary goes into the report as `serving_smoke`."""
@@ -94,6 +101,11 @@ def run_local(
     run_dir = Path(runs_dir).resolve() / run_id
     root = run_dir / "kfp"
     root.mkdir(parents=True, exist_ok=True)
+    if overrides:
+        raw, _ = profile_raw(profile, overrides)
+        raw["name"] = f"{raw['name']} " + " ".join(f"{k}={v}" for k, v in overrides.items())
+        profile = str(run_dir / "profile.yaml")
+        Path(profile).write_text(yaml.safe_dump(raw, sort_keys=False))
     # Components import gr2/components from the project; the subprocesses inherit this environment.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
@@ -161,7 +173,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bounds-json", default="{}", help="validation row-count bounds override (JSON)")
     ap.add_argument("--command", default="", help="the command to record in the report (e.g. 'make bench')")
     ap.add_argument("--no-serve-smoke", action="store_true", help="skip serving the model after the run")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a profile key, e.g. --set seed=1 (YAML value; repeatable)",
+    )
     a = ap.parse_args(argv)
+    overrides = {}
+    for item in a.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--set wants KEY=VALUE, got {item!r}")
+        overrides[key] = yaml.safe_load(value)
     res = run_local(
         a.dataset,
         a.profile,
@@ -173,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         a.benchmark_dir,
         a.command,
         not a.no_serve_smoke,
+        overrides,
     )
     if res["report"] is None:
         print(f"\nNo report: validation stopped the pipeline after {res['seconds']} s ({res['run_dir']}).")

@@ -95,7 +95,9 @@ def prepare_sft(
     names = evidence.feature_names  # without the features the data cannot supply
     tokenizer = tokenizer_for(sids, names, profile.prompt)
     labels = train["label"].to_numpy()
-    teacher = fit_teacher(x_train, labels, names, profile.teacher, profile.prompt.score_levels, seed)
+    teacher = fit_teacher(
+        x_train, labels, names, profile.teacher, profile.prompt.score_levels, seed, evidence.bucket_edges
+    )
     stats: dict = {"sid": sids.stats, "n_train_lists": len(train), "vocab_size": len(tokenizer)}
     stats |= {"features": list(names), "dropped_features": dict(evidence.dropped_features)}
     val = examples[examples["split"] == "val"]  # the test row is the report's (gr2/stages/evaluate.py)

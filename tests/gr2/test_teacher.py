@@ -10,7 +10,7 @@ import pytest
 from gr2.candidates import attach_candidates
 from gr2.config import Profile, PromptConfig, SIDConfig, TeacherConfig
 from gr2.data import build_targets, data_root, load_dataset, train_sequences
-from gr2.evidence import FEATURE_NAMES, Evidence
+from gr2.evidence import FEATURE_NAMES, Evidence, bucketize
 from gr2.prompt import parse_response
 from gr2.retriever import CoocRetriever
 from gr2.sid import SemanticIds, build_semantic_ids
@@ -203,3 +203,36 @@ def test_prepare_without_titles_or_categories_drops_their_features(tmp_path):
     assert "<trans_0>" in vocab and not any(t.startswith(("<sim_", "<cat_")) for t in vocab)
     n = len(sft.records["trace"][0].prompt_ids)
     assert n == 2 + 10 * (1 + len(kept))  # <bos> 'candidates' + per candidate its label and kept buckets
+
+
+def test_bucketed_teacher_reads_only_the_prompts_buckets(tmp_path):
+    """teacher.inputs "buckets": two lists whose evidence falls in the same prompt buckets get the same scores
+    and levels, whatever their raw values; the fit still learns (beats the floor), and save/load keeps it."""
+    x, _, y = _synthetic(3000, 0)
+    xv, _, yv = _synthetic(1000, 1)
+    ev = Evidence()
+    ev.feature_names = NAMES
+    edges = ev.fit_buckets(x, 8)
+    cfg = TeacherConfig(inputs="buckets")
+    t = fit_teacher(x, y, NAMES, cfg, score_levels=8, bucket_edges=edges)
+    assert t.bucket_values is not None and t.bucket_values.shape == (len(NAMES), 8)
+    # Each bucket stands for the mean training value inside it, so values rise with the bucket.
+    assert np.all(np.diff(t.bucket_values, axis=1) > 0)
+    # Move every value to another point of its own bucket: the teacher cannot tell.
+    b = bucketize(xv, edges)
+    hi = np.concatenate([edges, np.full((len(NAMES), 1), np.inf)], axis=1)
+    f = np.arange(len(NAMES))
+    # The top of each bucket (a value equal to an edge stays below it); the open top bucket moves up by 1.
+    inside = np.where(np.isfinite(hi[f, b]), hi[f, b], xv + 1.0)
+    assert np.array_equal(bucketize(inside, edges), b)
+    np.testing.assert_allclose(t.scores(inside), t.scores(xv))
+    raw = fit_teacher(x, y, NAMES, TeacherConfig(), score_levels=8)
+    assert not np.allclose(raw.scores(inside), raw.scores(xv))  # a raw teacher does see the move
+    assert t.recall_at(xv, yv, 1) > float((yv == 0).mean()) + 0.1
+    t.save(tmp_path / "t.json")
+    back = Teacher.load(tmp_path / "t.json")
+    np.testing.assert_array_equal(back.levels(inside), t.levels(xv))
+    with pytest.raises(ValueError, match="bucket edges"):
+        fit_teacher(x, y, NAMES, cfg, score_levels=8)
+    with pytest.raises(ValueError, match="teacher.inputs"):
+        fit_teacher(x, y, NAMES, TeacherConfig(inputs="bucket"), score_levels=8, bucket_edges=edges)

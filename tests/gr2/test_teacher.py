@@ -49,7 +49,7 @@ def test_teacher_beats_floor_on_validation(tmp_path):
     back = Teacher.load(tmp_path / "t.json")
     np.testing.assert_allclose(back.scores(xv[:5]), t.scores(xv[:5]))
     np.testing.assert_array_equal(back.levels(xv[:50]), t.levels(xv[:50]))
-    sub = fit_teacher(x, y, NAMES, TeacherConfig(max_train_lists=500), score_levels=8)
+    sub = fit_teacher(x, y, NAMES, TeacherConfig(max_train_lists=500, inputs="raw"), score_levels=8)
     assert sub.recall_at(xv, yv, 1) > floor + 0.1
 
 
@@ -154,14 +154,16 @@ def test_integration_on_real_slice(tmp_path, item_tokens):
     ev = Evidence.fit(tr, ds.items, cfg.evidence)
     train = examples[examples["split"] == "train"].reset_index(drop=True)
     x = list_features(ev, train)
-    teacher = fit_teacher(x, train["label"].to_numpy(), FEATURE_NAMES, cfg.teacher, cfg.prompt.score_levels)
+    edges = ev.fit_buckets(x, cfg.prompt.n_buckets)
+    teacher = fit_teacher(
+        x, train["label"].to_numpy(), FEATURE_NAMES, cfg.teacher, cfg.prompt.score_levels, bucket_edges=edges
+    )
     assert teacher.recall_at(x, train["label"].to_numpy()) > float((train["label"] == 0).mean())
     # Content-free SIDs keep this test fast (the title model is tested in test_sid.py).
     sids = build_semantic_ids(
         "ml150", ds.items, tr, SIDConfig(content_weight=0.0, kmeans_iters=5), cache_dir=tmp_path
     )
     tok = tokenizer_for(sids, FEATURE_NAMES, cfg.prompt)
-    ev.fit_buckets(x)
     stats: dict = {}
     recs = build_sft_records(train, x, ev.buckets(x), FEATURE_NAMES, sids, teacher, tok, cfg, "trace", stats)
     assert len(recs) == stats["n_records"] == len(train) > 100
@@ -213,7 +215,7 @@ def test_bucketed_teacher_reads_only_the_prompts_buckets(tmp_path):
     ev = Evidence()
     ev.feature_names = NAMES
     edges = ev.fit_buckets(x, 8)
-    cfg = TeacherConfig(inputs="buckets")
+    cfg = TeacherConfig()  # inputs "buckets", the default
     t = fit_teacher(x, y, NAMES, cfg, score_levels=8, bucket_edges=edges)
     assert t.bucket_values is not None and t.bucket_values.shape == (len(NAMES), 8)
     # Each bucket stands for the mean training value inside it, so values rise with the bucket.
@@ -226,7 +228,7 @@ def test_bucketed_teacher_reads_only_the_prompts_buckets(tmp_path):
     inside = np.where(np.isfinite(hi[f, b]), hi[f, b], xv + 1.0)
     assert np.array_equal(bucketize(inside, edges), b)
     np.testing.assert_allclose(t.scores(inside), t.scores(xv))
-    raw = fit_teacher(x, y, NAMES, TeacherConfig(), score_levels=8)
+    raw = fit_teacher(x, y, NAMES, TeacherConfig(inputs="raw"), score_levels=8)
     assert not np.allclose(raw.scores(inside), raw.scores(xv))  # a raw teacher does see the move
     assert t.recall_at(xv, yv, 1) > float((yv == 0).mean()) + 0.1
     t.save(tmp_path / "t.json")

@@ -23,10 +23,11 @@ import pandas as pd
 import torch
 
 from components._lib.paths import repo_relative
-from gr2.config import Profile, load_profile
+from gr2.config import Profile
 from gr2.generative import GenerativeReranker
 from gr2.metrics import apply_fallback, evaluate
 from gr2.stages.evaluate import decode_answers, load
+from pipelines.run_local import run_profile
 from pipelines.speed_check import find_bundles
 
 
@@ -57,8 +58,7 @@ def top1_breakdown(
 
 
 def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> dict:
-    report = json.loads((run / "report.json").read_text())
-    profile = load_profile(report["profile"])
+    profile = run_profile(run)
     torch.set_num_threads(profile.eval.threads)
     tau = profile.diffusion.eval_tau if tau is None else tau
     examples = pd.read_parquet(next(run.glob("kfp/*/candidates/examples")))

@@ -24,7 +24,7 @@ import yaml
 
 from components._lib.paths import REPO_ROOT, repo_relative
 from components._lib.report_io import table_markdown
-from gr2.config import profile_raw
+from gr2.config import Profile, load_profile, profile_raw
 
 
 def _dataset_label(dataset: str) -> str:
@@ -72,6 +72,17 @@ def _smoke_markdown(s: dict) -> str:
     )
 
 
+PROFILE_FILE = "profile.yaml"  # in a run directory: the profile with its --set overrides applied
+
+
+def run_profile(run_dir: str | Path) -> Profile:
+    """The profile a run used: its PROFILE_FILE when it ran with overrides, else its report's profile name."""
+    path = Path(run_dir) / PROFILE_FILE
+    if path.exists():
+        return load_profile(str(path))
+    return load_profile(json.loads((Path(run_dir) / "report.json").read_text())["profile"])
+
+
 def run_local(
     dataset: str = "ml-100k",
     profile: str = "quick",
@@ -104,7 +115,7 @@ def run_local(
     if overrides:
         raw, _ = profile_raw(profile, overrides)
         raw["name"] = f"{raw['name']} " + " ".join(f"{k}={v}" for k, v in overrides.items())
-        profile = str(run_dir / "profile.yaml")
+        profile = str(run_dir / PROFILE_FILE)
         Path(profile).write_text(yaml.safe_dump(raw, sort_keys=False))
     # Components import gr2/components from the project; the subprocesses inherit this environment.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))

@@ -23,8 +23,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from gr2.config import load_profile
 from gr2.stages.evaluate import load
+from pipelines.run_local import run_profile
 from pipelines.speed_check import find_bundles
 
 
@@ -40,7 +40,7 @@ def check(
     run: Path, draft: str, split: str, tau: float | None = None, limit: int = 0, show: int = 10
 ) -> dict:
     report = json.loads((run / "report.json").read_text())
-    profile = load_profile(report["profile"])
+    profile = run_profile(run)
     torch.set_num_threads(profile.eval.threads)
     tau = profile.diffusion.eval_tau if tau is None else tau
     examples = pd.read_parquet(next(run.glob("kfp/*/candidates/examples")))

@@ -21,9 +21,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from gr2.config import load_profile
 from gr2.report import git_sha, machine_info, speed_markdown
 from gr2.stages.evaluate import load, speed_table
+from pipelines.run_local import run_profile
 
 
 def find_bundles(run: Path, names: list[str]) -> dict[str, Path]:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run = Path(args.run).resolve()
     report = json.loads((run / "report.json").read_text())
-    profile = load_profile(report["profile"])
+    profile = run_profile(run)
     ev = profile.eval
     torch.set_num_threads(args.threads or ev.threads)
     names = [n.strip() for n in args.models.split(",") if n.strip()]

@@ -14,7 +14,7 @@ import pytest
 from gr2.data import data_root
 from gr2.data.variants import VARIANTS, build_variant
 from pipelines.compare_models import main as compare_models
-from pipelines.run_local import run_local
+from pipelines.run_local import run_local, run_profile
 from pipelines.speed_check import main as speed_check
 from tests.components.slices import SLICE_BOUNDS, SLICE_USERS, require_slice
 from tests.pipelines.test_variants_dag import check_variant_report
@@ -28,9 +28,20 @@ def test_local_run_writes_report(tmp_path):
     if not (data_root() / VARIANTS["stripped"].source / "interactions.tsv").exists():
         pytest.skip("shared data not available")
     data = build_variant("stripped", tmp_path / "data", max_users=300)
-    res = run_local(str(data), "smoke", tmp_path, "smoke", "2026-01-01", 0, json.dumps(SLICE_BOUNDS))
+    # A profile override (--set seed=1), as the second-seed bench runs it: every step and the tools below read it.
+    res = run_local(
+        str(data),
+        "smoke",
+        tmp_path,
+        "smoke",
+        "2026-01-01",
+        0,
+        json.dumps(SLICE_BOUNDS),
+        overrides={"seed": 1},
+    )
     rep = res["report"]
     assert rep is not None, res["validation"]
+    assert rep["profile"] == "smoke seed=1" and run_profile(tmp_path / "smoke").seed == 1
     check_variant_report(rep, (tmp_path / "smoke" / "report.md").read_text(), "stripped")
     assert [(r["model"], r["tau"]) for r in rep["rows"]] == [
         ("floor", None),
@@ -162,3 +173,21 @@ def test_malformed_dataset_fails_at_ingest_and_writes_nothing(tmp_path, capfd):
     assert not list(root.glob("**/feast-apply")) and not list(root.glob("**/*.parquet"))
     [outcome] = root.glob("**/outcome/outcome.json")
     assert json.loads(outcome.read_text())["status"] == "FAILED"
+
+
+def test_set_overrides_reach_run_local(monkeypatch):
+    """`--set KEY=VALUE` (repeatable) parses VALUE as YAML and hands the dotted keys to run_local; a malformed
+    one is refused by name."""
+    import pipelines.run_local as rl
+
+    got = {}
+
+    def fake(*args):
+        got["overrides"] = args[-1]
+        return {"report": None, "validation": [], "seconds": 0.0, "run_dir": "x"}
+
+    monkeypatch.setattr(rl, "run_local", fake)
+    assert rl.main(["--set", "seed=1", "--set", "sft.epochs=2.5", "--set", "teacher.inputs=raw"]) == 1
+    assert got["overrides"] == {"seed": 1, "sft.epochs": 2.5, "teacher.inputs": "raw"}
+    with pytest.raises(SystemExit):
+        rl.main(["--set", "seed"])

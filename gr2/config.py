@@ -171,8 +171,9 @@ class TeacherConfig:
     l2: float = 1e-3  # ridge on the conditional-logit weights
     max_train_lists: int = 50000  # training lists used to fit the teacher (0 = all)
     # The SFT answer: "teacher" = the teacher's own ranking (distillation: the answer orders the trace's
-    # verdicts), "label" = the held-out item first, then the teacher's order. Chosen on validation on two
-    # datasets (README: closing the distillation gap); RL then trains on the held-out items' reward.
+    # verdicts), "label" = the held-out item first, then the teacher's order, "levels" = by the trace's levels,
+    # ties in retriever order (the answer a function of the trace). Chosen on validation on two datasets
+    # (README: closing the distillation gap); RL then trains on the held-out items' reward.
     answer: str = "teacher"
     # What the teacher reads: "buckets", each feature's prompt bucket (gr2/teacher.py), so that the trace is a
     # function of the prompt the student sees, or the "raw" evidence. Chosen on validation on two datasets

@@ -209,14 +209,21 @@ def fit_teacher(
 TEACHER_INPUTS = ("raw", "buckets")
 
 
-ANSWERS = ("teacher", "label")
+ANSWERS = ("teacher", "label", "levels")
 
 
-def answer_ranking(scores: Sequence[float], label: int, answer: str = "teacher") -> list[int]:
+def answer_ranking(
+    scores: Sequence[float], label: int, answer: str = "teacher", levels: Sequence[int] | None = None
+) -> list[int]:
     """The SFT answer: every candidate by descending teacher score (ties keep the retriever order); with
-    answer "label" the held-out item is moved to the front."""
+    answer "label" the held-out item is moved to the front; with "levels" the candidates by descending trace
+    level (`levels`), ties in retriever order, so that the answer is a function of the trace alone."""
     if answer not in ANSWERS:
         raise ValueError(f"teacher.answer must be one of {ANSWERS}, got {answer!r}")
+    if answer == "levels":
+        if levels is None:
+            raise ValueError('teacher.answer "levels" needs the trace\'s levels')
+        return [int(i) for i in np.argsort(-np.asarray(levels), kind="stable")]
     order = [int(i) for i in np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")]
     if answer == "teacher":
         return order
@@ -264,7 +271,7 @@ def build_sft_records(
             [sids.codes[i] for i in hist if i in sids.codes],
             [sids.codes[c] for c in cands],
             buckets[r],
-            answer_ranking(scores[r], int(labels[r]), cfg.teacher.answer),
+            answer_ranking(scores[r], int(labels[r]), cfg.teacher.answer, levels[r]),
             trace,
             feature_names,
             cfg.sft.answer_weight,

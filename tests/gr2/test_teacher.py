@@ -88,6 +88,10 @@ def test_answer_ranking_teacher_or_held_out_item_first():
         0,
     ]  # the held-out item first, then the teacher's
     assert answer_ranking(scores, 1, "label") == [1, 2, 3, 0, 4]
+    # "levels": by the trace's levels, ties (A, C, D at level 1) in retriever order, whatever the scores say.
+    assert answer_ranking(scores, 4, "levels", [1, 2, 1, 1, 0]) == [1, 0, 2, 3, 4]
+    with pytest.raises(ValueError, match="levels"):
+        answer_ranking(scores, 4, "levels")
     with pytest.raises(ValueError, match="teacher.answer"):
         answer_ranking(scores, 1, "sampled")
 

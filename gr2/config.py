@@ -189,9 +189,9 @@ class EvalConfig:
     speed_batch_examples: int = 128  # lists decoded at speed_batch
     threads: int = 2  # torch threads while timing (the same for every decoder)
     # Every speed plan runs this many times, interleaved (AR, then each diffusion plan, then again); a row's
-    # tokens/s and speedup are the medians over the repeats: one pass is too noisy to gate on (README, "Where it
-    # stands", has the timing spread).
-    speed_repeats: int = 5
+    # speedup is the geometric mean over the repeats with a 95% interval, whose lower bound the gate reads: 10
+    # repeats bring the interval's half-width to a few percent on 2 cores (README, "Where it stands").
+    speed_repeats: int = 10
 
 
 @dataclass(frozen=True)

@@ -189,8 +189,8 @@ class EvalConfig:
     speed_batch_examples: int = 128  # lists decoded at speed_batch
     threads: int = 2  # torch threads while timing (the same for every decoder)
     # Every speed plan runs this many times, interleaved (AR, then each diffusion plan, then again); a row's
-    # speedup is the geometric mean over the repeats with a 95% interval, whose lower bound the gate reads: 10
-    # repeats bring the interval's half-width to a few percent on 2 cores (README, "Where it stands").
+    # speedup is the geometric mean over the repeats with a 95% interval, whose lower bound the gate reads (more
+    # repeats, a narrower interval; README, "Where it stands", has the measured widths).
     speed_repeats: int = 10
 
 

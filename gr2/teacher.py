@@ -115,8 +115,9 @@ class Teacher:
         score-level edges at `score_quantiles` of the fitted scores of these lists. With `bucket_edges` the
         teacher reads each feature's prompt bucket instead of its raw value."""
         features = np.asarray(features, dtype=np.float64)
-        values = None if bucket_edges is None else bucket_means(features, bucket_edges)
-        if values is not None:
+        values = None
+        if bucket_edges is not None:
+            values = bucket_means(features, bucket_edges)
             features = bucket_inputs(features, bucket_edges, values)
         z = _expand(features)
         mean = z.reshape(-1, z.shape[-1]).mean(0)

@@ -14,6 +14,7 @@ import pytest
 from gr2.data import data_root
 from gr2.data.variants import VARIANTS, build_variant
 from pipelines.compare_models import main as compare_models
+from pipelines.rounds_check import main as rounds_check
 from pipelines.run_local import run_local, run_profile
 from pipelines.speed_check import main as speed_check
 from tests.components.slices import SLICE_BOUNDS, SLICE_USERS, require_slice
@@ -122,6 +123,18 @@ def test_local_run_writes_report(tmp_path):
     ]
     assert all(s["tokens_per_s"] > 0 for s in sp["speed"])
     assert [s["speedup_vs_ar"] for s in sp["speed"] if s["model"] == "ar"] == [1.0, 1.0]
+    # Where the student's rounds go (pipelines/rounds_check.py): on the speed rows' lists it counts the same
+    # tokens per forward as the speed table.
+    prof = run_profile(tmp_path / "smoke")
+    rc = rounds_check(
+        ["--run", str(tmp_path / "smoke"), "--split", "test", "--lists", str(prof.eval.speed_examples)]
+    )
+    b1 = next(s for s in rep["speed"] if (s["model"], s["tau"], s["batch"]) == ("rl", 0.5, 1))
+    assert rc["tau"] == 0.5 and rc["tokens_per_forward"] == pytest.approx(b1["tokens_per_forward"])
+    assert sum(k["tokens"] for k in rc["late_share"].values()) == pytest.approx(
+        rc["tokens_per_forward"] * rc["forwards_per_list"] * rc["lists"]
+    )
+    assert all(r >= 1 for r in rc["rounds_per_block"].values()) and "score" in rc["late_share"]
     # The paired comparison (pipelines/compare_models.py) decodes as the evaluation did: its A and B are the
     # report's rows, and the delta is their difference.
     rows = {(r["model"], r["tau"]): r for r in rep["rows"]}

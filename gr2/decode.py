@@ -165,6 +165,13 @@ def _follow_n(
     return follow.n_candidates(prompt_ids)
 
 
+def _trace_ends(n: torch.Tensor | None) -> tuple[int, int]:
+    """The response columns where the shortest and the longest trace end (a label and a level per candidate).
+    Before the first `answer_slots` rules nothing; from the second on it reads only decoded trace tokens, so a
+    loop computes it once for the rest of the response."""
+    return (0, 0) if n is None else (2 * int(n.min()), 2 * int(n.max()))
+
+
 def _block_slots(
     follow: TraceRule | None, n: torch.Tensor | None, resp: torch.Tensor, committed: torch.Tensor
 ) -> Slots | None:
@@ -262,6 +269,8 @@ def ar_generate(
     done = torch.zeros(B, dtype=torch.bool, device=seq.device)
     seen = None if unique is None else torch.zeros(B, len(unique), dtype=torch.bool, device=seq.device)
     n = _follow_n(follow, unique, seq[:, :P])
+    # fixed: the slots of the whole response, once every trace is decoded (`_trace_ends`)
+    trace_end, fixed = _trace_ends(n)[1], None
     cache = DynamicCache() if use_cache else None
     nfe = 0
     for t in range(max_new_tokens):
@@ -278,8 +287,14 @@ def ar_generate(
         if seen is not None and unique is not None and bool(seen.any()):  # nothing to ban before a label
             logits = ban_repeats(logits[:, None], seen[:, None], unique)[:, 0]
         if follow is not None and n is not None and unique is not None:
-            resp = seq[:, P : P + t + 1]
-            slots = answer_slots(follow, resp, torch.ones_like(resp, dtype=torch.bool), n).cols(-1)
+            if t < trace_end:
+                resp = seq[:, P : P + t + 1]
+                slots = answer_slots(follow, resp, torch.ones_like(resp, dtype=torch.bool), n).cols(-1)
+            else:
+                if fixed is None:
+                    resp = seq[:, P:]
+                    fixed = answer_slots(follow, resp, torch.ones_like(resp, dtype=torch.bool), n)
+                slots = fixed.cols(t, t + 1)
             logits = keep_slots(logits[:, None], slots, None if seen is None else seen[:, None], unique)[:, 0]
         if pick is None:
             tok = logits.argmax(-1)
@@ -383,8 +398,8 @@ def _commit_round(
             new &= commit
         seen |= ((pred[..., None] == unique) & new[..., None]).any(1)
     if commit_fn is not None and logprobs is not None:
-        logprobs[:, :c][commit] = lp[commit]
-    block[:, :c][commit] = pred[commit]
+        logprobs[:, :c] = torch.where(commit, lp, logprobs[:, :c])
+    block[:, :c] = torch.where(commit, pred, block[:, :c])  # (no boolean indexing: it waits for a nonzero)
     if traj is not None:
         traj[:, :c].masked_fill_(commit, rnd)
     committed[:, :c] |= commit
@@ -466,6 +481,7 @@ def diffusion_generate(
     done = torch.zeros(B, dtype=torch.bool, device=seq.device)
     seen = None if unique is None else torch.zeros(B, len(unique), dtype=torch.bool, device=seq.device)
     n = _follow_n(follow, unique, seq[:, :P])
+    first_end, trace_end = _trace_ends(n)
     cache, anchor = _prefill(model, seq, attn, pos, P)
     nfe, rnd, end = 1, 0, 0
     # Every response row's attention over prompt + response, built once; each block's masks are slices of it.
@@ -480,6 +496,9 @@ def diffusion_generate(
         back = min(s0, block_size)  # the finished block, fed again by this block's first forward
         first_mask = rows[:, :, s0 - back : end, : P + end].contiguous()  # [finished block, canvas] rows
         canvas_mask = first_mask[:, :, back:].contiguous()
+        # Before any trace ends a block has no slots; past every trace its slots do not change (`_trace_ends`).
+        fixed = None if s0 < trace_end else _block_slots(follow, n, resp[:, :end], torch.ones_like(committed))
+        per_round = first_end < end and s0 < trace_end
         eos_seen = False  # no row can finish inside this block before some row commits an eos in it
         while not bool(committed.all()):
             if back or not bool(committed[:, 1:].all()):
@@ -502,7 +521,7 @@ def diffusion_generate(
             else:  # only position 0 open: its logits (the anchor) do not depend on the canvas
                 shifted = anchor[:, None]
             lp = None if logprobs is None else logprobs[:, s0:end]
-            slots = _block_slots(follow, n, resp[:, :end], committed)
+            slots = _block_slots(follow, n, resp[:, :end], committed) if per_round else fixed
             eos_seen |= _commit_round(
                 shifted,
                 committed,

@@ -27,7 +27,7 @@ from gr2.config import Profile
 from gr2.generative import GenerativeReranker
 from gr2.metrics import apply_fallback, evaluate
 from gr2.stages.evaluate import decode_answers, load
-from pipelines.run_local import run_profile
+from pipelines.run_local import run_examples, run_profile
 from pipelines.speed_check import find_bundles
 
 
@@ -61,7 +61,7 @@ def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> 
     profile = run_profile(run)
     torch.set_num_threads(profile.eval.threads)
     tau = profile.diffusion.eval_tau if tau is None else tau
-    examples = pd.read_parquet(next(run.glob("kfp/*/candidates/examples")))
+    examples = run_examples(run)
     df = examples[examples["split"] == split].reset_index(drop=True)
     if df.empty:
         raise SystemExit(f"no examples in split {split!r}")

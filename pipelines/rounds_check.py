@@ -19,13 +19,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import torch
 
 from gr2.decode import diffusion_generate
 from gr2.generative import GenerativeReranker
 from gr2.stages.evaluate import load
-from pipelines.run_local import run_profile
+from pipelines.run_local import run_examples, run_profile
 from pipelines.speed_check import find_bundles
 
 
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = load(find_bundles(run, [args.model])[args.model])
     if model.block_size < 1:
         raise SystemExit(f"{args.model} is an AR bundle: rounds are a diffusion decoder's")
-    examples = pd.read_parquet(next(run.glob("kfp/*/candidates/examples")))
+    examples = run_examples(run)
     df = examples[examples["split"] == args.split].head(args.lists)
     if df.empty:
         raise SystemExit(f"no examples in split {args.split!r}")

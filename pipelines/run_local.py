@@ -20,6 +20,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pandas as pd
 import yaml
 
 from components._lib.paths import REPO_ROOT, repo_relative
@@ -81,6 +82,14 @@ def run_profile(run_dir: str | Path) -> Profile:
     if path.exists():
         return load_profile(str(path))
     return load_profile(json.loads((Path(run_dir) / "report.json").read_text())["profile"])
+
+
+def run_examples(run_dir: str | Path) -> pd.DataFrame:
+    """The candidate lists a run evaluated: the output of its `candidates` step (all splits)."""
+    found = sorted(Path(run_dir).glob("kfp/*/candidates/examples"))
+    if not found:
+        raise FileNotFoundError(f"no kfp/*/candidates/examples under {run_dir}: not a run directory")
+    return pd.read_parquet(found[-1])
 
 
 def run_local(

@@ -20,11 +20,10 @@ import json
 import sys
 from pathlib import Path
 
-import pandas as pd
 import torch
 
 from gr2.stages.evaluate import load
-from pipelines.run_local import run_profile
+from pipelines.run_local import run_examples, run_profile
 from pipelines.speed_check import find_bundles
 
 
@@ -43,7 +42,7 @@ def check(
     profile = run_profile(run)
     torch.set_num_threads(profile.eval.threads)
     tau = profile.diffusion.eval_tau if tau is None else tau
-    examples = pd.read_parquet(next(run.glob("kfp/*/candidates/examples")))
+    examples = run_examples(run)
     df = examples[examples["split"] == split].reset_index(drop=True)
     if limit > 0:
         df = df.head(limit)

@@ -18,12 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-import pandas as pd
 import torch
 
 from gr2.report import git_sha, machine_info, speed_markdown
 from gr2.stages.evaluate import load, speed_table
-from pipelines.run_local import run_profile
+from pipelines.run_local import run_examples, run_profile
 
 
 def find_bundles(run: Path, names: list[str]) -> dict[str, Path]:
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.spec in models:
         models["spec"] = models[args.spec].with_verifier(models["ar"].model, "spec")
         plans.append(("spec", "spec", profile.diffusion.eval_tau))
-    examples = pd.read_parquet(next(run.glob("kfp/*/candidates/examples")))
+    examples = run_examples(run)
     test = examples[examples["split"] == "test"].reset_index(drop=True)
 
     t0 = time.perf_counter()

@@ -204,3 +204,15 @@ def test_set_overrides_reach_run_local(monkeypatch):
     assert got["overrides"] == {"seed": 1, "sft.epochs": 2.5, "teacher.inputs": "raw"}
     with pytest.raises(SystemExit):
         rl.main(["--set", "seed"])
+
+
+def test_run_examples_names_a_directory_that_is_not_a_run(tmp_path):
+    """The run tools read a run's candidate lists through `run_examples`: a directory without them is named."""
+    from pipelines.run_local import run_examples
+
+    with pytest.raises(FileNotFoundError, match="not a run directory"):
+        run_examples(tmp_path)
+    out = tmp_path / "kfp" / "p1" / "candidates" / "examples"
+    out.parent.mkdir(parents=True)
+    pd.DataFrame({"split": ["test"], "label": [0]}).to_parquet(out)
+    assert run_examples(tmp_path)["label"].tolist() == [0]

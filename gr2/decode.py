@@ -33,8 +33,11 @@ Answers that follow their trace. `follow` (optional, with `unique`) makes the an
 response wrote before it (gr2/prompt.py: one label and one score level per candidate, then the answer's head, then
 labels one token apart). Once a row's whole trace is decoded, the answer's k-th label must be a candidate whose
 level is the k-th highest of the trace (`answer_slots`; nothing else may go there): the answer ranks by the trace, and the model itself only
-orders candidates that share a level. The rule is per position, so parallel rounds obey it as AR does, and every
-equivalence below holds with it.
+orders candidates that share a level. Until then a row's answer labels wait: a parallel round commits none of them
+while a trace position of the row is still open (in a block that holds the trace's end and the answer's first
+labels, a label committed in the trace's last round would be unruled). The trace's open positions precede the
+labels in the same block, so a round always has something to commit. The rule is per position, so parallel rounds
+obey it as AR does, and every equivalence below holds with it.
 
 Greedy by default. The token-choice rule is pluggable (`pick` for AR, `commit_fn` for diffusion) so that
 gr2/rl.py samples its rollouts with these same loops; the optional `logprobs` output tensor then receives the
@@ -98,23 +101,26 @@ class Slots(NamedTuple):
     no_label: (
         torch.Tensor
     )  # [B, T]: a position after such a trace where no label belongs (head, commas, tail)
+    wait: torch.Tensor  # [B, T]: an answer label's position whose row's trace is not all decoded yet
 
     def cols(self, start: int, stop: int | None = None) -> Slots:
-        return Slots(self.active[:, start:stop], self.allowed[:, start:stop], self.no_label[:, start:stop])
+        return Slots(*(t[:, start:stop] for t in self))
 
 
 def answer_slots(rule: TraceRule, resp: torch.Tensor, known: torch.Tensor, n: torch.Tensor) -> Slots:
     """The positions of response [B, T] where the trace rules the answer (`known`: decoded positions; n [B]:
     candidates per row). A row whose trace is decoded and well formed (label i then one level, for i < n) rules
     its answer's k-th label position: only a candidate whose level is the trace's k-th highest may go there; and
-    no label may go anywhere else after the trace (a label written past the answer would take a slot's label)."""
+    no label may go anywhere else after the trace (a label written past the answer would take a slot's label).
+    A row whose trace still has an undecoded position makes its answer's label positions wait: a parallel round
+    must not commit a label that the rest of the trace could rule out (module docstring)."""
     B, T = resp.shape
     K = len(rule.labels)
     dev = resp.device
     active = torch.zeros(B, T, dtype=torch.bool, device=dev)
     allowed = torch.zeros(B, T, K, dtype=torch.bool, device=dev)
     if T <= 2 * int(n.min()):  # no row is past its trace
-        return Slots(active, allowed, active.clone())
+        return Slots(active, allowed, active.clone(), active.clone())
     i = torch.arange(K, device=dev)
     lab_col, lev_col = (2 * i).clamp(max=T - 1), (2 * i + 1).clamp(max=T - 1)
     is_level = resp[:, lev_col, None] == rule.levels.to(dev)  # [B, K, S]
@@ -134,8 +140,13 @@ def answer_slots(rule: TraceRule, resp: torch.Tensor, known: torch.Tensor, n: to
     cols = slot_col[rows, slots]
     active[rows, cols] = True
     allowed[rows, cols] = level[rows] == slot_level[rows, slots, None]
-    after = trace_ok[:, None] & (torch.arange(T, device=dev)[None, :] >= 2 * n[:, None])
-    return Slots(active, allowed, after & ~active)
+    col = torch.arange(T, device=dev)[None, :]
+    after = trace_ok[:, None] & (col >= 2 * n[:, None])
+    trace_known = (known | (col >= 2 * n[:, None])).all(-1)  # [B]
+    wait = torch.zeros_like(active)
+    rows, slots = (~trace_known[:, None] & cand & (slot_col < T)).nonzero(as_tuple=True)
+    wait[rows, slot_col[rows, slots]] = True
+    return Slots(active, allowed, after & ~active, wait)
 
 
 def keep_slots(
@@ -385,6 +396,8 @@ def _commit_round(
     Returns whether an eos was committed (only then can a row have finished)."""
     c = shifted.shape[1]
     masked = ~committed[:, :c]
+    if slots is not None:  # a label waits for its row's trace (module docstring)
+        masked &= ~slots.wait[:, :c]
     if seen is not None and unique is not None and bool(seen.any()):  # the trace holds none: no ban there
         shifted = ban_repeats(shifted, seen[:, None], unique)
     if slots is not None and unique is not None:
@@ -731,6 +744,7 @@ def spec_generate(
                             F.pad(sl.active, (0, 1)),
                             F.pad(sl.allowed, (0, 0, 0, 1)),
                             F.pad(sl.no_label, (0, 1)),
+                            F.pad(sl.wait, (0, 1)),
                         )
                     logits = keep_slots(logits, sl.cols(s0 if new else s0 + 1), before, unique)
             top = logits.argmax(-1)

@@ -346,7 +346,7 @@ def slots_at_commit(
         traj.masked_fill(~in_trace, -1).max(-1).values
     )  # [B]: when the trace's last token was committed
     after = traj > trace_round[:, None]
-    return Slots(slots.active & after, slots.allowed, slots.no_label & after)
+    return Slots(slots.active & after, slots.allowed, slots.no_label & after, slots.wait)
 
 
 def committed_before(tokens: torch.Tensor, traj: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:

@@ -285,6 +285,12 @@ def test_answer_slots_by_hand():
     known = everything.clone()
     known[0, 3] = False
     assert not dec.answer_slots(FOLLOW, resp, known, torch.tensor([3])).active.any()
+    assert dec.answer_slots(FOLLOW, resp, known, torch.tensor([3])).wait[0].nonzero().flatten().tolist() == [
+        8,
+        10,
+        12,
+    ]  # the answer's labels wait for the trace; nothing waits once it is decoded
+    assert not slots.wait.any()
     bad = resp.clone()
     bad[0, 2] = 7  # C where B belongs
     assert not dec.answer_slots(FOLLOW, bad, everything, torch.tensor([3])).active.any()
@@ -317,6 +323,23 @@ def test_every_decoder_answers_by_the_trace_with_follow(trace_models):
     for name, toks in outs.items():
         got = [follows(p, r) for p, r in zip(ps, toks.tolist(), strict=True)]
         assert got.count(True) >= len(got) // 4 and False not in got, name
+
+
+def test_a_label_waits_for_its_trace():
+    """At tau 0 a round commits every open position; a label position whose row's trace is still open waits (the
+    trace's open positions commit), in the block's next round it commits under the rule."""
+    resp = torch.tensor([[5, 12, 6, 14, 7, 12, 15, 16, 17, 23, 18, 23, 19]])  # the trace ends at column 6
+    committed = torch.arange(13)[None, :] < 5
+    slots = dec.answer_slots(FOLLOW, resp, committed, torch.tensor([3]))
+    canvas = resp.masked_fill(~committed, MASK)
+    logits = torch.zeros(1, 13, 24)
+    logits[0, torch.arange(13), resp[0]] = 5.0  # every position predicts the response above
+    dec._commit_round(logits, committed, 0.0, None, canvas, None, None, 0, EOS, ANSWER_IDS, None, slots)
+    assert committed[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 9, 11]  # not 8, 10, 12
+    slots = dec.answer_slots(FOLLOW, canvas, committed, torch.tensor([3]))
+    assert not slots.wait.any() and slots.active[0].nonzero().flatten().tolist() == [8, 10, 12]
+    dec._commit_round(logits, committed, 0.0, None, canvas, None, None, 1, EOS, ANSWER_IDS, None, slots)
+    assert committed.all() and canvas[0, 8] == ANSWER[1]  # B (level 3) first, as the trace rules
 
 
 @pytest.mark.parametrize("tau", [1.0, 0.5, 0.0])

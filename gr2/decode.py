@@ -405,11 +405,12 @@ def _commit_round(
     # the module global, looked up per round (tests spy on it)
     commit, pred, lp = (select_commits if commit_fn is None else commit_fn)(shifted, masked, tau)
     if seen is not None and unique is not None:  # ban what the response holds already
-        new = commit & torch.isin(pred, unique)
+        hit = pred[..., None] == unique  # [B, c, K] (cheaper than torch.isin on a few columns)
+        new = commit & hit.any(-1)
         if bool((new.sum(-1) > 1).any()):  # two positions may pick one label: the more confident commits
             commit = one_of_each(commit, pred, lp, unique)
             new &= commit
-        seen |= ((pred[..., None] == unique) & new[..., None]).any(1)
+        seen |= (hit & new[..., None]).any(1)
     if commit_fn is not None and logprobs is not None:
         logprobs[:, :c] = torch.where(commit, lp, logprobs[:, :c])
     block[:, :c] = torch.where(commit, pred, block[:, :c])  # (no boolean indexing: it waits for a nonzero)
@@ -512,6 +513,8 @@ def diffusion_generate(
         # Before any trace ends a block has no slots; past every trace its slots do not change (`_trace_ends`).
         fixed = None if s0 < trace_end else _block_slots(follow, n, resp[:, :end], torch.ones_like(committed))
         per_round = first_end < end and s0 < trace_end
+        # The block's trace positions (a label and a level per candidate): once all are decoded, its slots are fixed.
+        in_trace = None if n is None else torch.arange(s0, end, device=seq.device)[None, :] < 2 * n[:, None]
         eos_seen = False  # no row can finish inside this block before some row commits an eos in it
         while not bool(committed.all()):
             if back or not bool(committed[:, 1:].all()):
@@ -534,7 +537,11 @@ def diffusion_generate(
             else:  # only position 0 open: its logits (the anchor) do not depend on the canvas
                 shifted = anchor[:, None]
             lp = None if logprobs is None else logprobs[:, s0:end]
-            slots = _block_slots(follow, n, resp[:, :end], committed) if per_round else fixed
+            slots = fixed
+            if per_round:
+                slots = _block_slots(follow, n, resp[:, :end], committed)
+                if in_trace is not None and bool((committed | ~in_trace).all()):
+                    fixed, per_round = slots, False
             eos_seen |= _commit_round(
                 shifted,
                 committed,

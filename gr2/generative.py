@@ -92,6 +92,9 @@ class GenerativeReranker:
         self.name = str(config.get("name", KIND))
         self.n_candidates = int(config.get("n_candidates", 10))
         self.block_size = int(config.get("block_size", 0))
+        # The operating commit threshold (gr2/stages/train_stages.py convert): serving's default tau for this
+        # model. None for AR models; 0.9 for diffusion bundles written before it was recorded.
+        self.tau = None if self.block_size < 1 else float(config.get("tau", 0.9))
         self.max_new_tokens = int(config["max_new_tokens"])
         self.batch_size = int(config.get("batch_size", 32))
         prompt = config.get("prompt", {})

@@ -16,7 +16,7 @@ gr2 convert-cft --ar-model runs/x/ar --sft-data ... --naive-out runs/x/naive --o
 gr2 distill --student runs/x/cft --teacher runs/x/ar --sft-data ... --examples ... --out runs/x/opd
 gr2 rl --model runs/x/opd --sft-data ... --examples ... --out runs/x/rl        the deployable student
 gr2 evaluate-models --examples ... --floor-report runs/x/report --ar runs/x/ar ... --out runs/x/models
-gr2 gate --report runs/x/models --out runs/x/decision --candidate rl@0.9
+gr2 gate --report runs/x/models --out runs/x/decision --candidate rl
 gr2 deploy --model runs/x/rl --decision runs/x/decision --out runs/x/plan --run-id RUN [--no-dry-run]
 gr2 canary-analysis --plan runs/x/plan --examples ... --out runs/x/analysis   promote or roll back
 gr2 promote --run-id RUN --stage rl   write the production pointer after a passed canary (by hand)
@@ -284,7 +284,7 @@ def evaluate_models(
 def gate(
     report: Path = typer.Option(..., help="report.json or its folder (from `gr2 evaluate-models`)"),
     out: Path = typer.Option(..., help="where decision.json / report.json / gate.md go"),
-    candidate: str = typer.Option("rl@0.9", help="row to gate: model[@tau]"),
+    candidate: str = typer.Option("rl", help="row to gate: model[@tau] (no tau: the profile's eval_tau)"),
     data_validation_passed: bool = typer.Option(True, help="result of the data validation"),
     profile: str = typer.Option("quick", help="profile holding the gate thresholds"),
     production_json: str = typer.Option(
@@ -546,7 +546,9 @@ def pipeline_run(
     dataset: str = typer.Option(None, help="pipeline parameter (default: the pipeline's)"),
     profile: str = typer.Option(None, help="quick | bench | a profile path"),
     snapshot_date: str = typer.Option("", help="data version YYYY-MM-DD (default: today, UTC)"),
-    candidate: str = typer.Option(None, help="model the gate judges, e.g. rl@0.9"),
+    candidate: str = typer.Option(
+        None, help="model the gate judges, e.g. rl (at the profile's eval_tau) or rl@0.9"
+    ),
     canary_percent: int = typer.Option(None, help="traffic share of the canary"),
     bounds_json: str = typer.Option(None, help="validation row-count bounds (JSON)"),
     max_users: int = typer.Option(None, help="first N users only (0 = all)"),

@@ -15,6 +15,7 @@ KServe storage initializer has already copied `storageUri` to /mnt/models. Decod
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import tempfile
 import time
@@ -92,6 +93,9 @@ class RerankPredictor(kserve.Model):
         if self.reranker is None:
             assert self.model_uri is not None  # __init__: exactly one of model_uri or reranker
             self.reranker = load_reranker(fetch_model_dir(self.model_uri))
+        tau = getattr(self.reranker, "tau", None)
+        if tau is not None:  # a diffusion model's own operating point (its bundle's) is the default tau
+            self.cfg = dataclasses.replace(self.cfg, default_tau=float(tau))
         self.batcher = MicroBatcher(self.reranker.rank, self.cfg.max_batch, self.cfg.max_wait_ms)
         self.ready = True
         return self.ready

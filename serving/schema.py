@@ -70,7 +70,7 @@ class ServeConfig:
     max_id_len: int = 256
     decoders: tuple[str, ...] = DECODERS
     default_decoder: str = "diffusion"
-    default_tau: float = 0.9
+    default_tau: float = 0.9  # a diffusion model whose bundle names its operating tau serves at that instead
     min_tau: float = 0.05  # tau bounds: below this the diffusion decoder degenerates to one token per step
     max_tau: float = 1.0
 

@@ -95,11 +95,15 @@ def train_ar_teacher(data: SFTData, profile: Profile, out_dir: str | Path, varia
     return write_bundle(out / "bundle", model, tok, data.sids, data.evidence, meta)
 
 
-def convert(ar_bundle: str | Path, block_size: int, out_dir: str | Path, name: str = "naive") -> Path:
-    """Naive conversion (docs/PAPER.md, Conversion): copy every AR weight unchanged; only block size and mask token change."""
+def convert(
+    ar_bundle: str | Path, block_size: int, out_dir: str | Path, name: str = "naive", tau: float = 0.9
+) -> Path:
+    """Naive conversion (docs/PAPER.md, Conversion): copy every AR weight unchanged; only block size and mask token
+    change. `tau` is the students' operating commit threshold (diffusion.eval_tau: the one the gate judges), kept in
+    the bundle and every bundle trained from it: serving decodes at it unless a request names another."""
     model, tok, sids, ev, cfg = load_bundle_parts(ar_bundle)
     student = convert_to_diffusion(model, block_size, tok.mask_token_id)
-    meta = {**cfg, "name": name, "stage": "convert", "parent": str(ar_bundle)}
+    meta = {**cfg, "name": name, "stage": "convert", "parent": str(ar_bundle), "tau": tau}
     meta["max_new_tokens"] = -(-cfg["max_new_tokens"] // block_size) * block_size + block_size
     return write_bundle(out_dir, student, tok, sids, ev, meta)
 

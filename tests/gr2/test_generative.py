@@ -62,7 +62,7 @@ def pipeline(tmp_path_factory):
     data = prepare_sft(examples, ds, prof)
     data.save(root / "sft")
     ar = train_ar_teacher(SFTData.load(root / "sft"), prof, root / "ar")
-    naive = convert(ar, prof.diffusion.block_size, root / "naive")
+    naive = convert(ar, prof.diffusion.block_size, root / "naive", tau=prof.diffusion.eval_tau)
     cft = train_cft(naive, data, prof, root / "cft")
     return {
         "prof": prof,
@@ -148,6 +148,9 @@ def test_naive_conversion_copies_weights(pipeline):
 def test_cft_changes_weights_and_keeps_block_size(pipeline):
     naive, cft = load_reranker(pipeline["naive"]), load_reranker(pipeline["cft"])
     assert cft.block_size == naive.block_size
+    # the operating tau travels from the conversion to every student trained from it (serving's default)
+    assert naive.tau == cft.tau == pipeline["prof"].diffusion.eval_tau == 0.5
+    assert load_reranker(pipeline["ar"]).tau is None
     assert any(
         not torch.equal(a, b) for a, b in zip(naive.model.parameters(), cft.model.parameters(), strict=True)
     )

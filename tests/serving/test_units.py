@@ -212,3 +212,25 @@ def test_transformer_via_feast_http_feature_server(feast_repo, ml_slice, tmp_pat
     finally:
         proc.terminate()
         proc.wait(timeout=15)
+
+
+def test_predictor_decodes_at_the_models_operating_tau_by_default():
+    """A diffusion model's bundle records the tau the gate judged it at: serving uses it when a request names
+    none, and a request's own tau still wins."""
+    seen: list[float] = []
+
+    class AtTau(FloorReranker):
+        tau = 0.6
+
+        def rank(self, requests, decoder="diffusion", tau=0.9):
+            seen.append(tau)
+            return super().rank(requests, decoder, tau)
+
+    p = RerankPredictor("reranker", reranker=AtTau(n_candidates=4, items=["a", "b", "c"]))
+    inst = {"user_id": "u", "candidates": ["c", "a"]}
+    out = asyncio.run(p.predict({"instances": [inst]}))
+    assert out["predictions"][0]["tau"] == 0.6 and seen == [0.6]
+    out = asyncio.run(p.predict({"instances": [{**inst, "tau": 0.9}]}))
+    assert out["predictions"][0]["tau"] == 0.9 and seen == [0.6, 0.9]
+    # a model without one (the floor, an AR model) keeps the configured default
+    assert RerankPredictor("r", reranker=FloorReranker(n_candidates=4, items=["a"])).cfg.default_tau == 0.9

@@ -48,10 +48,13 @@ smoke-pretrained: install $(SMOLLM2_GGUF) ## whole DAG on a 40-user slice with t
 		--command "make smoke-pretrained"
 	test -s runs/smoke-pretrained/report.json
 
-lint: install ## ruff check + format check + mypy (the package code: [tool.mypy] in pyproject.toml)
+lint: install ## ruff check + format check + mypy (the package code: [tool.mypy] in pyproject.toml) + duplicate code
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
+	@# pylint's duplicate-code check (R0801) as its standalone tool: 6 or more equal lines in two places fail
+	@out=$$(.venv/bin/symilar -d 6 $$(git ls-files 'gr2/*.py' 'serving/*.py')); echo "$$out" | tail -1; \
+	  echo "$$out" | grep -q 'duplicates=0 ' || { echo "$$out"; exit 1; }
 
 format: install ## apply ruff fixes and formatting
 	.venv/bin/ruff check --fix .

@@ -43,7 +43,7 @@ $(SMOLLM2_GGUF): | install
 
 smoke-pretrained: install $(SMOLLM2_GGUF) ## whole DAG on a 40-user slice with the pretrained SmolLM2-135M backbone (CPU; not yet timed end to end)
 	rm -rf runs/smoke-pretrained
-	timeout 600 $(PY) -m pipelines.run_local --profile profiles/smollm2.yaml --dataset ml-latest-small \
+	timeout 600 $(PY) -m pipelines.run_local --profile profiles/smollm2.yaml --dataset ml-100k \
 		--max-users 40 --bounds-json '{"min_examples": 10}' --runs-dir runs --run-id smoke-pretrained \
 		--command "make smoke-pretrained"
 	test -s runs/smoke-pretrained/report.json

@@ -140,13 +140,12 @@ def answer_slots(rule: TraceRule, resp: torch.Tensor, known: torch.Tensor, n: to
     cols = slot_col[rows, slots]
     active[rows, cols] = True
     allowed[rows, cols] = level[rows] == slot_level[rows, slots, None]
-    col = torch.arange(T, device=dev)[None, :]
-    after = trace_ok[:, None] & (col >= 2 * n[:, None])
-    trace_known = (known | (col >= 2 * n[:, None])).all(-1)  # [B]
+    past_trace = torch.arange(T, device=dev)[None, :] >= 2 * n[:, None]  # [B, T]
+    trace_known = (known | past_trace).all(-1)  # [B]
     wait = torch.zeros_like(active)
-    rows, slots = (~trace_known[:, None] & cand & (slot_col < T)).nonzero(as_tuple=True)
-    wait[rows, slot_col[rows, slots]] = True
-    return Slots(active, allowed, after & ~active, wait)
+    w_rows, w_slots = (~trace_known[:, None] & cand & (slot_col < T)).nonzero(as_tuple=True)
+    wait[w_rows, slot_col[w_rows, w_slots]] = True
+    return Slots(active, allowed, trace_ok[:, None] & past_trace & ~active, wait)
 
 
 def keep_slots(

@@ -153,6 +153,10 @@ def load_pretrained(cfg: ModelConfig, tokenizer: Any) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(
         src, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION, **kw
     )
+    if "gguf_file" in kw:  # GGUF tensors are de-quantized to fp32 on load: from here on a plain model, and
+        # save_pretrained refuses one that still carries the GGUF quantizer
+        model.hf_quantizer = None
+        model.config.__dict__.pop("quantization_config", None)
     try:
         src_tok = AutoTokenizer.from_pretrained(src, **kw)
     except (OSError, ValueError, KeyError):  # weights without a tokenizer: every row starts at the mean row

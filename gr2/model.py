@@ -155,7 +155,7 @@ def load_pretrained(cfg: ModelConfig, tokenizer: Any) -> PreTrainedModel:
     )
     if "gguf_file" in kw:  # GGUF tensors are de-quantized to fp32 on load: from here on a plain model, and
         # save_pretrained refuses one that still carries the GGUF quantizer
-        model.hf_quantizer = None
+        setattr(model, "hf_quantizer", None)  # noqa: B010 (nn.Module.__setattr__ is typed for tensors only)
         model.config.__dict__.pop("quantization_config", None)
     try:
         src_tok = AutoTokenizer.from_pretrained(src, **kw)

@@ -1,12 +1,15 @@
-"""The InferenceService transformer: online features from Feast, then forward to the predictor.
+"""The InferenceService transformer: online features from Feast, then KServe's own call to the predictor.
 
-For each instance it looks up the `reranker_v1` feature service (the same one training extraction uses, so
-there is no training/serving skew) with one entity row per (user_id, candidate item_id): `history` comes from
-`user_history`, and a candidate without an `item_features` row is unknown to the platform. Then it forwards
-v1 JSON to the predictor at `predictor_host` and relays the answer (v1 dict, or a v2 InferResponse for v2
-clients). The request is validated whole before any feature lookup (serving/schema.py). A predictor 400 comes
-back as a 400 with the predictor's message; upstream failures are 502 (a bad answer), 503 (unreachable) or 504
-(no answer within `timeout_s`), and the readiness probes also ask the predictor (`upstream_ready`).
+KServe's transformer hooks, in order (kserve.Model.__call__):
+- `preprocess` validates the whole request (serving/schema.py) before any feature lookup, then looks up the
+  `reranker_v1` feature service (the same one training extraction uses, so there is no training/serving skew)
+  with one entity row per (user_id, candidate item_id): `history` comes from `user_history`, and a candidate
+  without an `item_features` row is unknown to the platform. It returns the v1 body for the predictor.
+- `predict` is kserve's built-in call to the predictor at `predictor_host` (v1 REST, kserve's client), with its
+  failures given a status: a predictor 400 comes back as a 400 with the predictor's message; otherwise 502 (a
+  bad answer), 503 (unreachable) or 504 (no answer within `timeout_s`).
+- `postprocess` answers in the client's protocol (v1 dict, or a v2 InferResponse for v2 clients).
+The readiness probes also ask the predictor (`upstream_ready`).
 
 Feast is reached through the SDK (`FeatureStore(repo_path)`, any online store its yaml names: sqlite locally,
 Redis in prod) or through Feast's HTTP feature server (`feast_url`, POST /get-online-features).
@@ -15,13 +18,15 @@ Redis in prod) or through Feast's HTTP feature server (`feast_url`, POST /get-on
 from __future__ import annotations
 
 import asyncio
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import kserve
-from kserve.protocol.infer_type import InferRequest
+from kserve.predictor_config import PredictorConfig
+from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from serving.schema import BadRequest, ServeConfig, UpstreamError, reply, request_instances, shown
 
@@ -29,6 +34,10 @@ if TYPE_CHECKING:
     from feast import FeatureStore
 
 FEATURE_SERVICE = "reranker_v1"
+
+# The client's request (its payload and where its instances sit), from `preprocess` to `predict` and
+# `postprocess`: kserve runs the three hooks one after another in the request's own task.
+_CLIENT_REQUEST: ContextVar[tuple[Any, str]] = ContextVar("client_request")
 
 
 @dataclass(frozen=True)
@@ -57,8 +66,21 @@ class FeastTransformer(kserve.Model):
         self.cfg = cfg
         self.serve_cfg = serve_cfg or ServeConfig()
         self.store: FeatureStore | None = None
+        # the feature server's client (the predictor's is kserve's, configured by `predictor_config`)
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._predictor = PredictorConfig(
+            cfg.predictor_host,
+            # kserve hands this to its httpx client as is: a connect timeout of its own tells a predictor that
+            # does not even connect (504) from one that refuses (503) within connect_timeout_s
+            predictor_request_timeout_seconds=httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s),
+        )
+
+    @property
+    def predictor_config(self) -> PredictorConfig:
+        """Where and how kserve's built-in `predict` calls the predictor: this transformer's own config, not the
+        process-wide one kserve's ModelServer sets from its command line."""
+        return self._predictor
 
     def load(self) -> bool:
         if self.cfg.feast_repo is not None:
@@ -77,26 +99,16 @@ class FeastTransformer(kserve.Model):
             self._client, self._client_loop = httpx.AsyncClient(timeout=timeout), loop
         return self._client
 
-    async def _post(self, what: str, url: str, body: dict[str, Any]) -> httpx.Response:
-        """POST to an upstream; a failure to get any answer becomes an UpstreamError (504 or 503)."""
-        try:
-            return await self._http().post(url, json=body)
-        except httpx.TimeoutException as e:
-            raise UpstreamError(
-                f"{what}: no answer within the timeout ({type(e).__name__}, {url})", 504
-            ) from e
-        except httpx.TransportError as e:
-            raise UpstreamError(f"{what}: unreachable ({type(e).__name__}, {url})", 503) from e
-
     async def upstream_ready(self) -> bool:
         """Whether the predictor says its model is ready: the readiness probes ask this (serving/modelserver.py),
         so a frozen or dead predictor takes the transformer out of rotation too."""
-        url = f"http://{self.cfg.predictor_host}/v2/models/{self.name}/ready"
         try:
-            r = await self._http().get(url, timeout=self.cfg.health_timeout_s)
-        except httpx.HTTPError:
+            ready = await self._http_client.is_model_ready(
+                self._predictor.predictor_base_url, self.name, timeout=self.cfg.health_timeout_s
+            )
+        except (httpx.HTTPError, ValueError):  # no answer, an error status, or not JSON
             return False
-        return r.status_code == 200
+        return ready is True
 
     # --- features -----------------------------------------------------------------------------
     async def online_features(self, rows: list[dict[str, str]]) -> dict[str, list[Any]]:
@@ -119,7 +131,11 @@ class FeastTransformer(kserve.Model):
             "entities": {"user_id": [r["user_id"] for r in rows], "item_id": [r["item_id"] for r in rows]},
             "full_feature_names": False,
         }
-        r = await self._post("feature server", f"{url.rstrip('/')}/get-online-features", body)
+        endpoint = f"{url.rstrip('/')}/get-online-features"
+        try:
+            r = await self._http().post(endpoint, json=body)
+        except httpx.HTTPError as e:
+            raise no_answer("feature server", e, endpoint) from e
         try:
             if r.status_code != 200:
                 raise ValueError(f"HTTP {r.status_code}")
@@ -156,40 +172,71 @@ class FeastTransformer(kserve.Model):
             out.append(inst)
         return out
 
-    # --- forwarding ---------------------------------------------------------------------------
-    async def forward(
-        self, instances: list[dict[str, Any]], params: dict[str, Any], where: str = "instances"
-    ) -> list[Any]:
-        url = f"http://{self.cfg.predictor_host}/v1/models/{self.name}:predict"
+    # --- kserve's hooks: preprocess -> predict (kserve's call to the predictor) -> postprocess ------------
+    async def preprocess(
+        self, payload: dict | InferRequest | bytes, headers: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """The predictor's v1 body: the whole request validated, then each instance's history from Feast."""
+        request = request_instances(payload, self.serve_cfg)
+        instances = await self.enrich(request.instances, request.where)
+        _CLIENT_REQUEST.set((payload, request.where))
         body: dict[str, Any] = {"instances": instances}
-        if params:
-            body["parameters"] = params
-        r = await self._post("predictor", url, body)
-        if r.status_code == 400:  # the client's input, as the predictor's model judged it: relay it
-            try:
-                msg = r.json()["error"]
-            except (ValueError, KeyError, TypeError):
-                msg = r.text
-            if where != "instances" and msg.startswith("instances["):
-                msg = where + msg[len("instances") :]  # name the field as the (v2) client sent it
-            raise BadRequest(msg)
-        try:
-            if r.status_code != 200:
-                raise ValueError(f"HTTP {r.status_code}")
-            return r.json()["predictions"]
-        except (ValueError, KeyError, TypeError) as e:
-            status = 503 if r.status_code == 503 else 502
-            raise UpstreamError(f"predictor: bad answer ({e}): {shown(r.text, 200)}", status) from e
+        if request.params:
+            body["parameters"] = request.params
+        return body
 
     def validate(self, payload: Any) -> Any:
         # our own parser validates (and names fields consistently for v1 and v2); skip kserve's shallow check
         return payload
 
     async def predict(
-        self, payload: dict | InferRequest | bytes, headers: dict[str, str] | None = None
-    ) -> Any:
-        # the whole request is validated before any feature lookup; a BadRequest or UpstreamError propagates
-        # and serving/modelserver.py answers it with its status and one log line
-        request = request_instances(payload, self.serve_cfg)
-        instances = await self.enrich(request.instances, request.where)
-        return reply(payload, self.name, await self.forward(instances, request.params, request.where))
+        self,
+        payload: dict | InferRequest,
+        headers: dict[str, str] | None = None,
+        response_headers: dict[str, str] | None = None,
+    ) -> dict | InferResponse:
+        """kserve's built-in call to the predictor; what goes wrong there gets a status and a message."""
+        try:
+            out = await super().predict(payload, headers, response_headers)
+        except httpx.HTTPStatusError as e:
+            raise predictor_error(e.response, _CLIENT_REQUEST.get(("", "instances"))[1]) from e
+        except httpx.HTTPError as e:
+            raise no_answer("predictor", e, str(e.request.url)) from e
+        except ValueError as e:  # kserve could not parse a 200's body
+            raise UpstreamError(f"predictor: bad answer ({e})", 502) from e
+        if not isinstance(out, dict) or not isinstance(out.get("predictions"), list):
+            raise UpstreamError(f"predictor: bad answer (no predictions): {shown(str(out), 200)}", 502)
+        return out
+
+    async def postprocess(
+        self,
+        result: dict | InferResponse,
+        headers: dict[str, str] | None = None,
+        response_headers: dict[str, str] | None = None,
+    ) -> dict | InferResponse:
+        """The predictor's predictions, in the protocol the client spoke."""
+        payload, _ = _CLIENT_REQUEST.get()
+        assert isinstance(result, dict)  # predict() let only a v1 answer through
+        return reply(payload, self.name, result["predictions"])
+
+
+def no_answer(what: str, e: httpx.HTTPError, url: str) -> UpstreamError:
+    """An upstream that gave no answer at all: 504 when it ran out of time, else 503 (refused, reset, ...)."""
+    if isinstance(e, httpx.TimeoutException):
+        return UpstreamError(f"{what}: no answer within the timeout ({type(e).__name__}, {url})", 504)
+    return UpstreamError(f"{what}: unreachable ({type(e).__name__}, {url})", 503)
+
+
+def predictor_error(r: httpx.Response, where: str) -> BadRequest | UpstreamError:
+    """A predictor's error status: its 400 is the client's input as the model judged it (relayed, the field named
+    as the client sent it); anything else is the predictor's failure (503 stays 503, the rest 502)."""
+    if r.status_code == 400:
+        try:
+            msg = r.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            msg = r.text
+        if where != "instances" and msg.startswith("instances["):
+            msg = where + msg[len("instances") :]  # name the field as the (v2) client sent it
+        return BadRequest(msg)
+    status = 503 if r.status_code == 503 else 502
+    return UpstreamError(f"predictor: bad answer (HTTP {r.status_code}): {shown(r.text, 200)}", status)

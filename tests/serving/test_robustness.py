@@ -213,7 +213,7 @@ def test_transformer_validates_the_whole_request_before_the_feature_lookup():
     t.online_features = lookup
     many = {"instances": [{"user_id": "1", "candidates": [f"i{k}" for k in range(43_292)]}]}
     with pytest.raises(ValueError, match=r"instances\[0\]\.candidates: too many candidates \(43292 > 100\)"):
-        asyncio.run(t.predict(many))
+        asyncio.run(t(many))
     late = {
         "instances": [
             {"user_id": "1", "candidates": ["a", "b"]},
@@ -221,7 +221,7 @@ def test_transformer_validates_the_whole_request_before_the_feature_lookup():
         ]
     }
     with pytest.raises(ValueError, match=r"instances\[1\]\.tau: must be within"):
-        asyncio.run(t.predict(late))
+        asyncio.run(t(late))
     assert looked_up == []
 
 
@@ -283,7 +283,7 @@ def feast_answer(path, body):
 
 
 def predictor_answer(path, body):
-    if path.endswith("/ready"):
+    if path.endswith("/ready") or path == f"/v1/models/{MODEL}":  # kserve's v2 and v1 readiness
         return 200, {"name": MODEL, "ready": True}
     preds = [{"ranking": i["candidates"], "history_len": len(i["history"])} for i in body["instances"]]
     return 200, {"predictions": preds}

@@ -168,8 +168,9 @@ def test_transformer_policies(feast_repo, ml_slice):
     assert out[0]["history"] == []
     # predictor unreachable -> a clean error, not a hang (InvalidInput is for client errors only)
     with pytest.raises(Exception) as e:
-        asyncio.run(lenient.predict({"instances": [{"user_id": "3", "candidates": items[:2]}]}))
+        asyncio.run(lenient({"instances": [{"user_id": "3", "candidates": items[:2]}]}))
     assert not isinstance(e.value, InvalidInput)
+    assert e.value.status == 503 and str(e.value).startswith("predictor: unreachable (ConnectError")
 
 
 @pytest.mark.slow  # `feast serve` imports feast in a fresh process (~15 s on 2 busy cores)

@@ -2,9 +2,10 @@
 
 KServe's transformer hooks, in order (kserve.Model.__call__):
 - `preprocess` validates the whole request (serving/schema.py) before any feature lookup, then looks up the
-  `reranker_v1` feature service (the same one training extraction uses, so there is no training/serving skew)
-  with one entity row per (user_id, candidate item_id): `history` comes from `user_history`, and a candidate
-  without an `item_features` row is unknown to the platform. It returns the v1 body for the predictor.
+  `reranker_serving_v1` feature service with one entity row per (user_id, candidate item_id): `history` comes
+  from `user_history` (the view training extraction reads, so there is no training/serving skew), and a
+  candidate whose `item_features` `title` is null has no catalogue row: it is unknown to the platform. It
+  returns the v1 body for the predictor.
 - `predict` is kserve's built-in call to the predictor at `predictor_host` (v1 REST, kserve's client), with its
   failures given a status: a predictor 400 comes back as a 400 with the predictor's message; otherwise 502 (a
   bad answer), 503 (unreachable) or 504 (no answer within `timeout_s`).
@@ -33,7 +34,7 @@ from serving.schema import BadRequest, ServeConfig, UpstreamError, reply, reques
 if TYPE_CHECKING:
     from feast import FeatureStore
 
-FEATURE_SERVICE = "reranker_v1"
+FEATURE_SERVICE = "reranker_serving_v1"  # feature_repo/services.py
 
 # The client's request (its payload and where its instances sit), from `preprocess` to `predict` and
 # `postprocess`: kserve runs the three hooks one after another in the request's own task.

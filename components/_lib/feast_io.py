@@ -22,7 +22,7 @@ ENTITY_OFFSET = timedelta(seconds=1)  # entity timestamp = target event time - 1
 
 
 def definitions(sources_dir: str | Path, fields_from: str | Path | None = None) -> list[Any]:
-    """Entities, feature views and the feature service of feature_repo/, reading `sources_dir`'s parquet.
+    """Entities, feature views and the feature services of feature_repo/, reading `sources_dir`'s parquet.
 
     `sources_dir` may be remote (the artifact's s3:// URI for the production store); `fields_from` is then
     a local copy to read the item columns from.
@@ -39,7 +39,7 @@ def definitions(sources_dir: str | Path, fields_from: str | Path | None = None) 
         entities.item,
         user_history,
         item_features,
-        services.build_service(user_history, item_features),
+        *services.build_services(user_history, item_features),
     ]
 
 

@@ -34,7 +34,7 @@ def test_apply_registers_contract_objects(store_env):
     _, _, info = store_env
     assert info["project"] == "gr2"
     assert info["feature_views"] == ["item_features", "user_history"]
-    assert info["feature_services"] == ["reranker_v1"]
+    assert info["feature_services"] == ["reranker_serving_v1", "reranker_v1"]
 
 
 def test_online_features_are_latest_history_and_item_tables(store_env):
@@ -54,6 +54,10 @@ def test_online_features_are_latest_history_and_item_tables(store_env):
         assert got["popularity"][k] == items.loc[item_ids[k], "popularity"]
         assert list(got["cooc_ids"][k]) == list(items.loc[item_ids[k], "cooc_ids"])
     assert got["history"][-1] is None and got["title"][-1] is None
+    # the serving transformer's service: the history and the catalogue row's title, none of the evidence columns
+    served = feast_io.online_features(store, rows + [{"user_id": "u?", "item_id": "i?"}], "reranker_serving_v1")
+    assert set(served) == {"user_id", "item_id", "history", "title"}
+    assert served["history"][:-1] == got["history"][:-1] and served["title"] == got["title"]
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -115,6 +119,7 @@ def test_feast_cli_apply_uses_repo_definitions(store_env, tmp_path):
         "feature view user_history",
         "feature view item_features",
         "feature service reranker_v1",
+        "feature service reranker_serving_v1",
     ):
         assert f"Created {name}" in out.stdout
 

@@ -122,7 +122,11 @@ def build_feast_repo(ml_slice: dict, root: Path) -> Path:
         source=FileSource(path=str(root / "item_features.parquet"), timestamp_field="event_timestamp"),
     )
     store = FeatureStore(repo_path=str(root))
-    store.apply([user, item, uh, itf, FeatureService(name="reranker_v1", features=[uh, itf])])
+    services = [
+        FeatureService(name="reranker_v1", features=[uh, itf]),
+        FeatureService(name="reranker_serving_v1", features=[uh[["history"]], itf[["title"]]]),
+    ]
+    store.apply([user, item, uh, itf, *services])
     store.write_to_online_store("user_history", hist)
     store.write_to_online_store("item_features", feats)
     return root

@@ -55,7 +55,9 @@ def test_online_features_are_latest_history_and_item_tables(store_env):
         assert list(got["cooc_ids"][k]) == list(items.loc[item_ids[k], "cooc_ids"])
     assert got["history"][-1] is None and got["title"][-1] is None
     # the serving transformer's service: the history and the catalogue row's title, none of the evidence columns
-    served = feast_io.online_features(store, rows + [{"user_id": "u?", "item_id": "i?"}], "reranker_serving_v1")
+    served = feast_io.online_features(
+        store, rows + [{"user_id": "u?", "item_id": "i?"}], "reranker_serving_v1"
+    )
     assert set(served) == {"user_id", "item_id", "history", "title"}
     assert served["history"][:-1] == got["history"][:-1] and served["title"] == got["title"]
 

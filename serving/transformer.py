@@ -197,10 +197,11 @@ class FeastTransformer(kserve.Model):
         response_headers: dict[str, str] | None = None,
     ) -> dict | InferResponse:
         """kserve's built-in call to the predictor; what goes wrong there gets a status and a message."""
+        _, where = _CLIENT_REQUEST.get()  # set by preprocess: kserve calls the hooks in order
         try:
             out = await super().predict(payload, headers, response_headers)
         except httpx.HTTPStatusError as e:
-            raise predictor_error(e.response, _CLIENT_REQUEST.get(("", "instances"))[1]) from e
+            raise predictor_error(e.response, where) from e
         except httpx.HTTPError as e:
             raise no_answer("predictor", e, str(e.request.url)) from e
         except ValueError as e:  # kserve could not parse a 200's body

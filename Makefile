@@ -68,7 +68,7 @@ bundle_named = $(shell grep -l '"name": "$(1)"' runs/latest/kfp/*/*/model/bundle
 MODEL ?= $(call bundle_named,rl)
 # The AR teacher (SFT + RL) of that run: the load test's AR baseline.
 AR_MODEL ?= $(call bundle_named,ar)
-FEAST_REPO ?= $(shell ls -td runs/latest/kfp/*/feast-apply/feature_store 2>/dev/null | head -1)
+FEAST_REPO ?= $(shell ls -td runs/latest/kfp/*/materialize/feature_store 2>/dev/null | head -1)
 EXAMPLES ?= $(shell ls -td runs/latest/kfp/*/candidates/examples 2>/dev/null | head -1)
 
 serve: install ## serve the newest run's model on 127.0.0.1:8080 (predictor + Feast transformer on 8081)

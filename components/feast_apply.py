@@ -1,4 +1,5 @@
-"""KFP component: `feast apply` the feature repo over the ingested sources and materialize the online store."""
+"""KFP component: `feast apply` the feature repo over the ingested sources (the registry; `materialize` fills the
+online store after validation)."""
 
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Output
@@ -8,7 +9,7 @@ from components._image import COMPONENT_KWARGS
 
 @dsl.component(**COMPONENT_KWARGS)
 def feast_apply(sources: Input[Dataset], feature_store: Output[Artifact], fs_yaml: str = ""):
-    """Registry + online store in the `feature_store` folder (or the environment yaml `fs_yaml`)."""
+    """The registry in the `feature_store` folder (or the environment yaml `fs_yaml`'s registry)."""
     from components._lib import steps
 
     # With an environment yaml the offline store (Spark) reads the artifact where it lives (its URI).

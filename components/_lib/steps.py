@@ -69,14 +69,26 @@ def ingest(
 def feast_apply(
     sources_dir: str | Path, store_dir: str | Path, fs_yaml: str = "", source_uri: str = ""
 ) -> dict[str, Any]:
-    """Apply the feature repo for this sources folder and materialize it to the online store.
+    """Apply the feature repo for this sources folder: the registry, no online rows (`materialize`).
 
     With an environment yaml (`fs_yaml`), `source_uri` is where its offline store reads the sources.
     """
     from components._lib import feast_io
 
     t0 = time.perf_counter()
-    info = feast_io.apply_and_materialize(sources_dir, store_dir, fs_yaml or None, source_uri)
+    info = feast_io.apply(sources_dir, store_dir, fs_yaml or None, source_uri)
+    info["seconds"] = round(time.perf_counter() - t0, 2)
+    return info
+
+
+def materialize(
+    sources_dir: str | Path, registry_dir: str | Path, store_dir: str | Path, fs_yaml: str = ""
+) -> dict[str, Any]:
+    """Fill the online store (what serving reads) from validated sources; locally into `store_dir`."""
+    from components._lib import feast_io
+
+    t0 = time.perf_counter()
+    info = feast_io.materialize(sources_dir, registry_dir, store_dir, fs_yaml or None)
     info["seconds"] = round(time.perf_counter() - t0, 2)
     return info
 

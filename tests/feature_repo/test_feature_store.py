@@ -26,7 +26,12 @@ H = 20  # quick profile history_len
 def store_env(tmp_path_factory):
     root = tmp_path_factory.mktemp("feast")
     src = ingest_slice(root / "sources")
-    info = feast_io.apply_and_materialize(src, root / "store")
+    info = feast_io.apply(src, root / "registry")
+    inter = sources.read_dataset(src).interactions
+    row = [{"user_id": inter["user_id"].iloc[0], "item_id": inter["item_id"].iloc[0]}]  # both exist
+    info["online_before"] = feast_io.online_features(feast_io.open_store(root / "registry"), row)
+    info |= feast_io.materialize(src, root / "registry", root / "store")
+    info["online_after"] = feast_io.online_features(feast_io.open_store(root / "store"), row)
     return src, root / "store", info
 
 
@@ -35,6 +40,18 @@ def test_apply_registers_contract_objects(store_env):
     assert info["project"] == "gr2"
     assert info["feature_views"] == ["item_features", "user_history"]
     assert info["feature_services"] == ["reranker_serving_v1", "reranker_v1"]
+
+
+def test_apply_writes_no_online_rows_materialize_fills_a_new_store(store_env):
+    """Validation sits between the two steps: apply must leave the online store (what serving reads) empty, and
+    materialize writes into its own folder, leaving the applied one as it was."""
+    src, store_dir, info = store_env
+    assert info["online_before"]["history"] == [None] and info["online_before"]["title"] == [None]
+    assert info["online_after"]["history"][0] and info["online_after"]["title"] != [None]
+    assert info["user_rows"] == len(pd.read_parquet(src / "user_history.parquet"))
+    cfg = yaml.safe_load((store_dir / "feature_store.yaml").read_text())
+    assert cfg["registry"] == str(store_dir.resolve() / "registry.db")
+    assert cfg["online_store"]["path"] == str(store_dir.resolve() / "online_store.db")
 
 
 def test_online_features_are_latest_history_and_item_tables(store_env):
@@ -64,9 +81,11 @@ def test_online_features_are_latest_history_and_item_tables(store_env):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_point_in_time_extraction_equals_build_targets(store_env, k):
+    """Extraction reads the offline store: the registry alone (before materialize) is enough."""
     src, store_dir, _ = store_env
     inter = sources.read_dataset(src).interactions
-    got = feast_io.historical_targets(feast_io.open_store(store_dir), inter, eval_positions=k)
+    registry_only = feast_io.open_store(store_dir.parent / "registry")
+    got = feast_io.historical_targets(registry_only, inter, eval_positions=k)
     ref = build_targets(sources.read_dataset(src, event_ts=False), H, eval_positions=k)
     pd.testing.assert_frame_equal(got, ref)
     assert set(got["split"]) == {"train", "val", "test"}
@@ -78,7 +97,7 @@ def test_feature_row_stamped_after_example_never_leaks(store_env, tmp_path):
     the same rows one instant before it must be (so the test can see a leak)."""
     src0, _, _ = store_env
     src = Path(shutil.copytree(src0, tmp_path / "sources"))
-    feast_io.apply_and_materialize(src, tmp_path / "store")
+    feast_io.apply(src, tmp_path / "store")
     store = feast_io.open_store(tmp_path / "store")
     inter = sources.read_dataset(src).interactions
     ent = feast_io.target_entities(inter)

@@ -42,6 +42,7 @@ ROLE_IMPORTS = {
     "data": [
         "components.ingest",
         "components.feast_apply",
+        "components.materialize",
         "components.validate",
         "components.candidates",
         "components.gate",

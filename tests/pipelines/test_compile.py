@@ -49,7 +49,8 @@ def test_dag_steps_images_and_parameters(compiled):
     spec, _ = compiled
     assert spec["pipelineInfo"]["name"] == PIPELINE_NAME
     names = set(_tasks(spec)) - {"root"}
-    expected = {"ingest", "feast-apply", "extract", "validate-targets", "candidates", "validate-examples"}
+    expected = {"ingest", "feast-apply", "extract", "validate-targets", "materialize", "candidates"}
+    expected |= {"validate-examples"}
     expected |= {
         "evaluate-floor",
         "prepare-sft",
@@ -133,7 +134,7 @@ def test_only_steps_that_talk_to_services_are_retried(compiled):
     never = ["ingest", "validate-targets", "candidates", "validate-examples", "evaluate-floor", "prepare-sft"]
     for step in never:
         assert "retryPolicy" not in tasks[step][1], step
-    for step in ["feast-apply", "extract", "gate", "deploy", "record-outcome"]:
+    for step in ["feast-apply", "extract", "materialize", "gate", "deploy", "record-outcome"]:
         assert tasks[step][1]["retryPolicy"]["maxRetryCount"] == 1, step
 
 
@@ -157,6 +158,28 @@ def test_deploy_sits_under_the_gate_condition(compiled):
     assert "deploy" in spec["components"][parent]["dag"]["tasks"]
     # ... and the gate itself is not conditional on itself: it sits beside the branch
     assert tasks["gate"][0] == tasks["gate-passed"][0]
+
+
+def test_online_store_is_filled_only_after_targets_pass_validation(compiled):
+    """materialize (the online store serving reads) sits in the targets-valid branch, beside candidates, and
+    reads the registry feast-apply wrote; feast-apply itself writes no online rows (tests/feature_repo)."""
+    spec, _ = compiled
+    tasks = _tasks(spec)
+    parent, task = tasks["materialize"]
+    assert parent == tasks["candidates"][0]
+    [(cond_name, cond)] = [
+        (n, t) for n, (_, t) in tasks.items() if t.get("componentRef", {}).get("name") == parent
+    ]
+    assert cond_name == "targets-valid"
+    assert (
+        cond["triggerPolicy"]["condition"]
+        == "inputs.parameter_values['pipelinechannel--validate-Output'] == true"
+    )
+    assert cond["inputs"]["parameters"]["pipelinechannel--validate-Output"]["taskOutputParameter"] == {
+        "outputParameterKey": "Output",
+        "producerTask": "validate",  # the task validate-targets displays as
+    }
+    assert "feast-apply" in str(task["inputs"]["artifacts"]["registry"])
 
 
 def test_canary_analysis_runs_only_when_the_canary_runs(compiled):
@@ -204,7 +227,14 @@ def test_caching_cannot_reuse_another_snapshot(compiled):
     # ... and ingest never caches (a schedule repeats its parameters), so it re-reads the data every run.
     assert ing["cachingOptions"] == {}
     # Every other data step consumes ingest's fresh artifact, so its cache key changes with it.
-    for step in ["feast-apply", "extract", "validate-targets", "candidates", "validate-examples"]:
+    for step in [
+        "feast-apply",
+        "extract",
+        "validate-targets",
+        "materialize",
+        "candidates",
+        "validate-examples",
+    ]:
         arts = tasks[step][1]["inputs"]["artifacts"]
         assert any("ingest" in str(a) for a in arts.values()), step
     for step in ["prepare-sft", "evaluate-floor", "evaluate-models"]:

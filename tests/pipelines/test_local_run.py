@@ -162,7 +162,10 @@ def test_failed_validation_stops_the_pipeline(tmp_path):
     assert res["report"] is None
     [v] = res["validation"]  # only the targets validation ran; candidates and evaluation were skipped
     assert not v["passed"] and "expect_table_row_count_to_be_between" in v["message"]
-    assert not list((tmp_path / "bad" / "kfp").glob("**/candidates"))
+    kfp_root = tmp_path / "bad" / "kfp"
+    assert not list(kfp_root.glob("**/candidates"))
+    # nothing reached the online store that serving reads: only the registry was applied
+    assert list(kfp_root.glob("**/feast-apply/feature_store")) and not list(kfp_root.glob("**/materialize"))
 
 
 def test_malformed_dataset_fails_at_ingest_and_writes_nothing(tmp_path, capfd):

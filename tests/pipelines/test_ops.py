@@ -367,6 +367,7 @@ def test_cli_exposes_every_step():
     steps = [
         "ingest",
         "feast-apply",
+        "materialize",
         "extract",
         "validate",
         "candidates",

@@ -37,7 +37,13 @@ orders candidates that share a level. Until then a row's answer labels wait: a p
 while a trace position of the row is still open (in a block that holds the trace's end and the answer's first
 labels, a label committed in the trace's last round would be unruled). The trace's open positions precede the
 labels in the same block, so a round always has something to commit. The rule is per position, so parallel rounds
-obey it as AR does, and every equivalence below holds with it.
+obey it as AR does, and every equivalence below holds with it. A greedy diffusion round ends with
+`forced_commits`: an open answer position that the rule, given what the round committed, leaves a single label
+(a level no other candidate has, or the last label of a tied level) is committed in that round. Its logits could
+not pick anything else, so waiting a round for them would cost a forward and decide nothing. (An AR decoder
+could skip those forwards too, by feeding a forced token together with the next one, as jump-forward decoding
+does; `ar_generate` decodes one token per forward, the baseline the speedups are measured against.) Sampling
+(`commit_fn`) leaves them to the model's rounds, so RL's replay sees the trajectory it sampled.
 
 Greedy by default. The token-choice rule is pluggable (`pick` for AR, `commit_fn` for diffusion) so that
 gr2/rl.py samples its rollouts with these same loops; the optional `logprobs` output tensor then receives the
@@ -162,6 +168,37 @@ def keep_slots(
     ban[rule] = True
     ban[..., unique] = (rule[..., None] & ~allowed) | slots.no_label[..., None]
     return logits.masked_fill(ban, float("-inf"))
+
+
+def rule_bans(
+    vocab: int, seen: torch.Tensor | None, slots: Slots | None, unique: torch.Tensor
+) -> torch.Tensor | None:
+    """`ban_repeats` then `keep_slots` as one mask [B, C, vocab] (True = banned), or None when neither bans
+    anything: what a diffusion round applies to its logits (one masked_fill instead of two)."""
+    any_seen = seen is not None and bool(seen.any())  # the trace holds no label: no ban there
+    rule = no_label = None
+    if slots is not None:
+        allowed = slots.allowed if seen is None else slots.allowed & ~seen[:, None]
+        rule = slots.active & allowed.any(-1)
+        if not bool(rule.any()):
+            rule = None
+        if bool(slots.no_label.any()):
+            no_label = slots.no_label
+    if not (any_seen or rule is not None or no_label is not None):
+        return None
+    B = (seen if seen is not None else slots.active).shape[0]  # type: ignore[union-attr]
+    C = 1 if slots is None else slots.active.shape[1]
+    ban = torch.zeros(B, C, vocab, dtype=torch.bool, device=unique.device)
+    ban_u = torch.zeros(B, C, len(unique), dtype=torch.bool, device=unique.device)
+    if any_seen:
+        ban_u |= seen[:, None]  # type: ignore[index]
+    if rule is not None:
+        ban[rule] = True
+        ban_u |= rule[..., None] & ~allowed
+    if no_label is not None:
+        ban_u |= no_label[..., None]
+    ban[..., unique] = ban_u
+    return ban
 
 
 def _follow_n(
@@ -396,11 +433,12 @@ def _commit_round(
     c = shifted.shape[1]
     masked = ~committed[:, :c]
     if slots is not None:  # a label waits for its row's trace (module docstring)
-        masked &= ~slots.wait[:, :c]
-    if seen is not None and unique is not None and bool(seen.any()):  # the trace holds none: no ban there
-        shifted = ban_repeats(shifted, seen[:, None], unique)
-    if slots is not None and unique is not None:
-        shifted = keep_slots(shifted, slots.cols(0, c), None if seen is None else seen[:, None], unique)
+        slots = slots.cols(0, c)
+        masked &= ~slots.wait
+    if unique is not None:
+        ban = rule_bans(shifted.shape[-1], seen, slots, unique)
+        if ban is not None:
+            shifted = shifted.masked_fill(ban, float("-inf"))
     # the module global, looked up per round (tests spy on it)
     commit, pred, lp = (select_commits if commit_fn is None else commit_fn)(shifted, masked, tau)
     if seen is not None and unique is not None:  # ban what the response holds already
@@ -417,6 +455,33 @@ def _commit_round(
         traj[:, :c].masked_fill_(commit, rnd)
     committed[:, :c] |= commit
     return eos_id is not None and bool((commit & (pred == eos_id)).any())
+
+
+def forced_commits(
+    slots: Slots,
+    block: torch.Tensor,
+    committed: torch.Tensor,
+    seen: torch.Tensor,
+    unique: torch.Tensor,
+    traj: torch.Tensor | None,
+    rnd: int,
+) -> None:
+    """Commit, in place, every open answer slot of the block whose trace leaves it one label not yet written:
+    the rules ban every other token there, so the model's logits cannot change it."""
+    open_ = slots.active & ~committed
+    if not bool(open_.any()):
+        return
+    allowed = slots.allowed & ~seen[:, None]
+    pick = (open_ & (allowed.sum(-1) == 1))[..., None] & allowed  # [B, c, K]
+    pick &= pick.long().cumsum(1) == 1  # two slots left with one label: the first takes it
+    commit = pick.any(-1)
+    if not bool(commit.any()):
+        return
+    block.copy_(torch.where(commit, unique[pick.long().argmax(-1)], block))
+    if traj is not None:
+        traj.masked_fill_(commit, rnd)
+    committed |= commit
+    seen |= pick.any(1)
 
 
 def _finish_rows(
@@ -497,6 +562,7 @@ def diffusion_generate(
     first_end, trace_end = _trace_ends(n)
     cache, anchor = _prefill(model, seq, attn, pos, P)
     nfe, rnd, end = 1, 0, 0
+    after: Slots | None = None  # the slots past every trace
     # Every response row's attention over prompt + response, built once; each block's masks are slices of it.
     rows = attention_rows(P, torch.arange(P, P + L, device=seq.device), P + L, block_size, pad_lens)
     for s0 in range(0, L, block_size):
@@ -509,8 +575,11 @@ def diffusion_generate(
         back = min(s0, block_size)  # the finished block, fed again by this block's first forward
         first_mask = rows[:, :, s0 - back : end, : P + end].contiguous()  # [finished block, canvas] rows
         canvas_mask = first_mask[:, :, back:].contiguous()
-        # Before any trace ends a block has no slots; past every trace its slots do not change (`_trace_ends`).
-        fixed = None if s0 < trace_end else _block_slots(follow, n, resp[:, :end], torch.ones_like(committed))
+        # Before any trace ends a block has no slots; past every trace the slots do not change (`_trace_ends`):
+        # they are read once, for the rest of the response, when the first block past every trace opens.
+        if s0 >= trace_end and follow is not None and n is not None and after is None:
+            after = answer_slots(follow, resp, torch.ones_like(resp, dtype=torch.bool), n)
+        fixed = None if after is None else after.cols(s0, end)
         per_round = first_end < end and s0 < trace_end
         # The block's trace positions (a label and a level per candidate): once all are decoded, its slots are fixed.
         in_trace = None if n is None else torch.arange(s0, end, device=seq.device)[None, :] < 2 * n[:, None]
@@ -555,6 +624,10 @@ def diffusion_generate(
                 seen,
                 slots,
             )
+            if commit_fn is None and seen is not None and unique is not None and end > first_end:
+                now = fixed if fixed is not None else _block_slots(follow, n, resp[:, :end], committed)
+                if now is not None:
+                    forced_commits(now, block, committed, seen, unique, traj[:, s0:end], rnd)
             rnd += 1
             if eos_seen and eos_id is not None:  # (eos_seen implies an eos_id)
                 _finish_rows(block, committed, done, eos_id, fill)
@@ -624,6 +697,10 @@ def diffusion_generate_nocache(
                 seen,
                 slots,
             )
+            if commit_fn is None and seen is not None and unique is not None:
+                now = _block_slots(follow, n, resp[:, :end], committed)
+                if now is not None:
+                    forced_commits(now, block, committed, seen, unique, traj[:, s0:end], rnd)
             rnd += 1
             if eos_seen and eos_id is not None:  # (eos_seen implies an eos_id)
                 _finish_rows(block, committed, done, eos_id, fill)

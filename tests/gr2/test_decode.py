@@ -268,6 +268,70 @@ def test_one_of_each_keeps_the_most_confident():
 
 
 # --- the answer follows the trace (decode.follow_bans): the toy task of tests/gr2/trace_toy.py ----------------
+def test_forced_commits_by_hand():
+    """Levels 1, 3, 1 (test_answer_slots_by_hand): B is the only level-3 candidate, so the answer's first label is
+    committed without the model; A and C tie, so their slots wait for the model until one of them is written."""
+    resp = torch.tensor([[5, 12, 6, 14, 7, 12, 15, 16, 17, 23, 18, 23, 19]])
+    n = torch.tensor([3])
+    block = resp.clone()
+    block[0, 8:] = MASK
+    committed = torch.ones_like(block, dtype=torch.bool)
+    committed[0, 8:] = False
+    committed[0, [9, 11]] = True  # the commas
+    slots = dec.answer_slots(FOLLOW, block, committed, n)
+    seen = torch.zeros(1, len(ANSWER_IDS), dtype=torch.bool)
+    traj = torch.full_like(block, -1)
+    dec.forced_commits(slots, block, committed, seen, ANSWER_IDS, traj, 4)
+    assert block[0, 8] == ANSWER[1] and traj[0, 8] == 4 and seen[0].tolist() == [False, True] + [False] * 4
+    assert not committed[0, [10, 12]].any() and (block[0, [10, 12]] == MASK).all()
+    # the model writes A at the first tied slot: C is then forced into the second
+    block[0, 10], committed[0, 10], seen[0, 0] = ANSWER[0], True, True
+    dec.forced_commits(slots, block, committed, seen, ANSWER_IDS, traj, 5)
+    assert block[0, 12] == ANSWER[2] and traj[0, 12] == 5 and committed.all()
+    # C written elsewhere before the trace ruled: both tied slots have A alone; the first takes it
+    block2 = block.clone()
+    block2[0, [10, 12]] = MASK
+    open2 = committed.clone()
+    open2[0, [10, 12]] = False
+    seen2 = torch.tensor([[False, True, True, False, False, False]])
+    dec.forced_commits(slots, block2, open2, seen2, ANSWER_IDS, None, 6)
+    assert block2[0, 10] == ANSWER[0] and not open2[0, 12] and block2[0, 12] == MASK
+
+
+@pytest.mark.parametrize("seen_case", ["none", "empty", "some"])
+def test_rule_bans_equal_ban_repeats_then_keep_slots(seen_case):
+    """The one mask a diffusion round applies is exactly the two rules AR and RL's replay apply one after the
+    other: random slots (some ruled slots with no allowed label left), random seen labels."""
+    g = torch.Generator().manual_seed(3)
+    B, C, V = 4, 7, 24
+    K = len(ANSWER_IDS)
+    active = torch.rand(B, C, generator=g) < 0.5
+    slots = dec.Slots(
+        active,
+        torch.rand(B, C, K, generator=g) < 0.3,
+        ~active & (torch.rand(B, C, generator=g) < 0.4),
+        torch.zeros(B, C, dtype=torch.bool),
+    )
+    seen = {
+        "none": None,
+        "empty": torch.zeros(B, K, dtype=torch.bool),
+        "some": torch.rand(B, K, generator=g) < 0.4,
+    }[seen_case]
+    logits = torch.randn(B, C, V, generator=g)
+    want = logits if seen is None or not seen.any() else dec.ban_repeats(logits, seen[:, None], ANSWER_IDS)
+    want = dec.keep_slots(want, slots, None if seen is None else seen[:, None], ANSWER_IDS)
+    ban = dec.rule_bans(V, seen, slots, ANSWER_IDS)
+    got = logits if ban is None else logits.masked_fill(ban, float("-inf"))
+    assert torch.equal(got, want)
+    assert (got == float("-inf")).any()  # the case bans something (else the comparison proves little)
+    # without slots only the repeats are banned, on every position
+    if seen is not None and seen.any():
+        only = logits.masked_fill(dec.rule_bans(V, seen, None, ANSWER_IDS), float("-inf"))
+        assert torch.equal(only, dec.ban_repeats(logits, seen[:, None], ANSWER_IDS))
+    else:
+        assert dec.rule_bans(V, seen, None, ANSWER_IDS) is None
+
+
 def test_answer_slots_by_hand():
     # 3 candidates, levels 1, 3, 1: the answer's first label must be B (level 3), then A or C, then A or C.
     resp = torch.tensor([[5, 12, 6, 14, 7, 12, 15, 16, 17, 23, 18, 23, 19]])
@@ -343,16 +407,30 @@ def test_a_label_waits_for_its_trace():
 
 
 @pytest.mark.parametrize("tau", [1.0, 0.5, 0.0])
-def test_follow_keeps_the_equivalences(trace_models, tau):
-    """cache == no cache, block 1 == AR and spec == AR hold with the trace rule too."""
+def test_follow_keeps_the_equivalences(trace_models, tau, monkeypatch):
+    """cache == no cache, block 1 == AR and spec == AR hold with the trace rule too; both diffusion loops make the
+    same forced commits (counted by a spy; test_forced_commits_by_hand says what they are)."""
     ar, diff = trace_models
+    forced = []
+    real = dec.forced_commits
+
+    def spy(slots, block, committed, *args):
+        before = int(committed.sum())
+        real(slots, block, committed, *args)
+        forced.append(int(committed.sum()) - before)
+
+    monkeypatch.setattr(dec, "forced_commits", spy)
     ps = [p for p, _, _ in trace_items(12, 8)]
     kw = {"unique": ANSWER_IDS, "follow": FOLLOW}
     a, _ = ar_generate(ar, ps, 24, EOS, **kw)
     assert torch.equal(a, ar_generate(ar, ps, 24, EOS, use_cache=False, **kw)[0])
     assert torch.equal(a, diffusion_generate(ar, ps, 24, 1, tau, MASK, EOS, **kw)[0])
     assert torch.equal(a, spec_generate(diff, ar, ps, 24, BS, tau, MASK, EOS, **kw)[0])
+    forced.clear()
     for bs in (3, 4):
         d, _, t1 = diffusion_generate(diff, ps, 24, bs, tau, MASK, EOS, **kw)
+        n_cached = sum(forced)
         e, _, t2 = diffusion_generate(diff, ps, 24, bs, tau, MASK, EOS, use_cache=False, **kw)
         assert torch.equal(d, e) and torch.equal(t1, t2)
+        assert sum(forced) == 2 * n_cached  # the same forced commits in both loops
+        forced.clear()

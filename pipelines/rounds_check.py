@@ -8,7 +8,9 @@ first round.
 
     python -m pipelines.rounds_check --run runs/latest --model rl --tau 0.9 --split val --lists 100
 
-prints the summary as JSON (and writes it with --out).
+prints the summary as JSON (and writes it with --out). For an AR bundle (`--model ar`) it counts instead the
+response tokens that the trace rule leaves a single label (`forced_tokens`): the forwards a jump-forward AR
+decoder could skip, which the AR baseline of the speed table does not.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gr2.decode import diffusion_generate
+from gr2.decode import TraceRule, answer_slots, diffusion_generate, pad_prompts, seen_before
 from gr2.generative import GenerativeReranker
 from gr2.stages.evaluate import load
 from pipelines.run_local import run_examples, run_profile
@@ -77,10 +79,40 @@ def rounds(model: GenerativeReranker, prompts: list[list[int]], tau: float) -> d
     }
 
 
+def forced_tokens(
+    rule: TraceRule, unique: torch.Tensor, prompt_ids: torch.Tensor, responses: torch.Tensor
+) -> torch.Tensor:
+    """Per response [B, T] (left-padded prompts [B, P]): how many tokens the trace rule leaves one choice, i.e. an
+    answer position whose trace allows a single label not written before it (a level no other candidate has,
+    or the last label of a tied level)."""
+    n = rule.n_candidates(prompt_ids)
+    slots = answer_slots(rule, responses, torch.ones_like(responses, dtype=torch.bool), n)
+    before = seen_before(responses, unique)[:, :-1]  # [B, T, K]: the labels written before each position
+    return (slots.active & ((slots.allowed & ~before).sum(-1) == 1)).sum(-1)
+
+
+def ar_forced(model: GenerativeReranker, prompts: list[list[int]], batch: int) -> dict:
+    """An AR bundle's greedy responses: tokens per list, and those `forced_tokens` counts."""
+    if model.follow is None or model.unique is None:
+        raise SystemExit(f"{model.name} has no trace rule (prompt.follow_trace): no token is forced")
+    eos = model.tokenizer.eos_token_id
+    out = model.decode(prompts, "ar", 1.0, batch)
+    width = max(len(r) for r in out.responses)
+    resp = torch.tensor([r + [eos] * (width - len(r)) for r in out.responses])
+    forced = forced_tokens(model.follow, model.unique, pad_prompts(prompts, model.model)[0], resp)
+    return {
+        "lists": len(prompts),
+        "tokens_per_list": sum(len(r) for r in out.responses) / len(prompts),
+        "forced_per_list": float(forced.float().mean()),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", default="runs/latest", help="a run directory (make run / make bench)")
-    ap.add_argument("--model", default="rl", help="a diffusion bundle of the run")
+    ap.add_argument(
+        "--model", default="rl", help="a bundle of the run (diffusion: rounds; AR: forced tokens)"
+    )
     ap.add_argument("--tau", type=float, default=0.0, help="commit threshold (0: the profile's eval_tau)")
     ap.add_argument("--split", default="val")
     ap.add_argument("--lists", type=int, default=100, help="the split's first N lists")
@@ -90,15 +122,18 @@ def main(argv: list[str] | None = None) -> dict:
     profile = run_profile(run)
     torch.set_num_threads(profile.eval.threads)
     model = load(find_bundles(run, [args.model])[args.model])
-    if model.block_size < 1:
-        raise SystemExit(f"{args.model} is an AR bundle: rounds are a diffusion decoder's")
     examples = run_examples(run)
     df = examples[examples["split"] == args.split].head(args.lists)
     if df.empty:
         raise SystemExit(f"no examples in split {args.split!r}")
-    tau = args.tau or profile.diffusion.eval_tau
-    out = {"run": run.name, "model": args.model, "tau": tau, "split": args.split}
-    out |= rounds(model, model.encode_prompts(df["history"].tolist(), df["candidates"].tolist()), tau)
+    prompts = model.encode_prompts(df["history"].tolist(), df["candidates"].tolist())
+    if model.block_size < 1:  # an AR bundle: its forced tokens
+        out = {"run": run.name, "model": args.model, "split": args.split}
+        out |= ar_forced(model, prompts, profile.eval.batch_size)
+    else:
+        tau = args.tau or profile.diffusion.eval_tau
+        out = {"run": run.name, "model": args.model, "tau": tau, "split": args.split}
+        out |= rounds(model, prompts, tau)
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:

@@ -154,51 +154,52 @@ def answer_slots(rule: TraceRule, resp: torch.Tensor, known: torch.Tensor, n: to
     return Slots(active, allowed, trace_ok[:, None] & past_trace & ~active, wait)
 
 
+def _slot_bans(
+    slots: Slots, seen: torch.Tensor | None, unique: torch.Tensor, vocab: int
+) -> torch.Tensor | None:
+    """`keep_slots`' mask [B, C, vocab] (True = banned), or None when it bans nothing."""
+    allowed = slots.allowed if seen is None else slots.allowed & ~seen
+    rule = slots.active & allowed.any(-1)
+    if not bool(rule.any() or slots.no_label.any()):
+        return None
+    ban = torch.zeros(*allowed.shape[:2], vocab, dtype=torch.bool, device=allowed.device)
+    ban[rule] = True
+    ban[..., unique] = (rule[..., None] & ~allowed) | slots.no_label[..., None]
+    return ban
+
+
 def keep_slots(
     logits: torch.Tensor, slots: Slots, seen: torch.Tensor | None, unique: torch.Tensor
 ) -> torch.Tensor:
     """logits [B, C, V] with every token but the allowed labels not yet written (seen [B, C or 1, K]) banned at the
     active slots [B, C], and every label banned at the no-label positions. A slot with no such label left (the
     answer put one elsewhere before the trace ruled it) is left as it is, so that some token stays possible."""
-    allowed = slots.allowed if seen is None else slots.allowed & ~seen
-    rule = slots.active & allowed.any(-1)
-    if not bool(rule.any() or slots.no_label.any()):
-        return logits
-    ban = torch.zeros(*allowed.shape[:2], logits.shape[-1], dtype=torch.bool, device=logits.device)
-    ban[rule] = True
-    ban[..., unique] = (rule[..., None] & ~allowed) | slots.no_label[..., None]
-    return logits.masked_fill(ban, float("-inf"))
+    ban = _slot_bans(slots, seen, unique, logits.shape[-1])
+    return logits if ban is None else logits.masked_fill(ban, float("-inf"))
 
 
 def rule_bans(
     vocab: int, seen: torch.Tensor | None, slots: Slots | None, unique: torch.Tensor
 ) -> torch.Tensor | None:
-    """`ban_repeats` then `keep_slots` as one mask [B, C, vocab] (True = banned), or None when neither bans
-    anything: what a diffusion round applies to its logits (one masked_fill instead of two)."""
-    any_seen = seen is not None and bool(seen.any())  # the trace holds no label: no ban there
-    rule = no_label = None
-    if slots is not None:
-        allowed = slots.allowed if seen is None else slots.allowed & ~seen[:, None]
-        rule = slots.active & allowed.any(-1)
-        if not bool(rule.any()):
-            rule = None
-        if bool(slots.no_label.any()):
-            no_label = slots.no_label
-    if not (any_seen or rule is not None or no_label is not None):
-        return None
-    B = (seen if seen is not None else slots.active).shape[0]  # type: ignore[union-attr]
-    C = 1 if slots is None else slots.active.shape[1]
-    ban = torch.zeros(B, C, vocab, dtype=torch.bool, device=unique.device)
-    ban_u = torch.zeros(B, C, len(unique), dtype=torch.bool, device=unique.device)
-    if any_seen:
-        ban_u |= seen[:, None]  # type: ignore[index]
-    if rule is not None:
-        ban[rule] = True
-        ban_u |= rule[..., None] & ~allowed
-    if no_label is not None:
-        ban_u |= no_label[..., None]
-    ban[..., unique] = ban_u
+    """`ban_repeats` then `keep_slots` as one mask [B, C, vocab] (True = banned; seen [B, K]), or None when
+    neither bans anything: what a diffusion round applies to its logits (one masked_fill instead of two)."""
+    ban = None if slots is None else _slot_bans(slots, None if seen is None else seen[:, None], unique, vocab)
+    if seen is None or not bool(seen.any()):  # the trace holds no label: no repeat to ban
+        return ban
+    if ban is None:
+        ban = torch.zeros(
+            seen.shape[0], 1 if slots is None else slots.active.shape[1], vocab, dtype=torch.bool
+        )
+        ban = ban.to(seen.device)
+    ban[..., unique] |= seen[:, None]
     return ban
+
+
+def single_label(slots: Slots, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the active slots [B, C] whose trace allows exactly one label not in `seen` [B, C or 1, K], and the labels
+    still allowed [B, C, K]): the positions the rule decides without the model."""
+    allowed = slots.allowed & ~seen
+    return slots.active & (allowed.sum(-1) == 1), allowed
 
 
 def _follow_n(
@@ -468,11 +469,10 @@ def forced_commits(
 ) -> None:
     """Commit, in place, every open answer slot of the block whose trace leaves it one label not yet written:
     the rules ban every other token there, so the model's logits cannot change it."""
-    open_ = slots.active & ~committed
-    if not bool(open_.any()):
+    if not bool((slots.active & ~committed).any()):
         return
-    allowed = slots.allowed & ~seen[:, None]
-    pick = (open_ & (allowed.sum(-1) == 1))[..., None] & allowed  # [B, c, K]
+    one, allowed = single_label(slots, seen[:, None])
+    pick = (one & ~committed)[..., None] & allowed  # [B, c, K]
     pick &= pick.long().cumsum(1) == 1  # two slots left with one label: the first takes it
     commit = pick.any(-1)
     if not bool(commit.any()):

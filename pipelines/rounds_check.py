@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gr2.decode import TraceRule, answer_slots, diffusion_generate, pad_prompts, seen_before
+from gr2.decode import TraceRule, answer_slots, diffusion_generate, pad_prompts, seen_before, single_label
 from gr2.generative import GenerativeReranker
 from gr2.stages.evaluate import load
 from pipelines.run_local import run_examples, run_profile
@@ -88,7 +88,7 @@ def forced_tokens(
     n = rule.n_candidates(prompt_ids)
     slots = answer_slots(rule, responses, torch.ones_like(responses, dtype=torch.bool), n)
     before = seen_before(responses, unique)[:, :-1]  # [B, T, K]: the labels written before each position
-    return (slots.active & ((slots.allowed & ~before).sum(-1) == 1)).sum(-1)
+    return single_label(slots, before)[0].sum(-1)
 
 
 def ar_forced(model: GenerativeReranker, prompts: list[list[int]], batch: int) -> dict:

@@ -45,6 +45,14 @@ def _executor(spec, task) -> str:
     return spec["components"][task["componentRef"]["name"]]["executorLabel"]
 
 
+def _condition(tasks, parent: str) -> tuple[str, dict]:
+    """The condition task (its name and spec) whose branch is the component `parent`."""
+    [(name, cond)] = [
+        (n, t) for n, (_, t) in tasks.items() if t.get("componentRef", {}).get("name") == parent
+    ]
+    return name, cond
+
+
 def test_dag_steps_images_and_parameters(compiled):
     spec, _ = compiled
     assert spec["pipelineInfo"]["name"] == PIPELINE_NAME
@@ -143,9 +151,7 @@ def test_deploy_sits_under_the_gate_condition(compiled):
     tasks = _tasks(spec)
     parent, _ = tasks["deploy"]
     # the condition branch holding deploy is triggered by the gate's boolean output
-    [(cond_name, cond)] = [
-        (n, t) for n, (_, t) in tasks.items() if t.get("componentRef", {}).get("name") == parent
-    ]
+    cond_name, cond = _condition(tasks, parent)
     assert cond_name == "gate-passed"
     assert (
         cond["triggerPolicy"]["condition"]
@@ -167,9 +173,7 @@ def test_online_store_is_filled_only_after_targets_pass_validation(compiled):
     tasks = _tasks(spec)
     parent, task = tasks["materialize"]
     assert parent == tasks["candidates"][0]
-    [(cond_name, cond)] = [
-        (n, t) for n, (_, t) in tasks.items() if t.get("componentRef", {}).get("name") == parent
-    ]
+    cond_name, cond = _condition(tasks, parent)
     assert cond_name == "targets-valid"
     assert (
         cond["triggerPolicy"]["condition"]
@@ -186,9 +190,7 @@ def test_canary_analysis_runs_only_when_the_canary_runs(compiled):
     spec, _ = compiled
     tasks = _tasks(spec)
     parent, task = tasks["canary-analysis"]
-    [(cond_name, cond)] = [
-        (n, t) for n, (_, t) in tasks.items() if t.get("componentRef", {}).get("name") == parent
-    ]
+    cond_name, cond = _condition(tasks, parent)
     assert cond_name == "canary-running"
     assert (
         cond["triggerPolicy"]["condition"]

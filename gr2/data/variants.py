@@ -15,6 +15,7 @@ a variant is the same files on every machine. The output is a folder in the unif
 | `stripped` | amazon_beauty | titles and timestamps emptied (categories kept): the bench recipe |
 | `repeats` | amazon_beauty | earlier items consumed again (about one row in six is a repeat) |
 | `long` | ml-latest-small | its 3 users with >= 2,000 interactions, 3 users cut to 2, 3 and 4 items, 40 as they are |
+| `all_shapes` | amazon_beauty + `long` | all of the above at once: repeats, no titles, categories or timestamps, text and numeric ids |
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ class Variant:
     source: str  # folder under the data root
     transforms: tuple[Callable[[Tables], Tables], ...]
     about: str
+    # Other variants whose tables (each built whole, with its own source and transforms) are appended to this
+    # one's slice before its transforms run: one catalog with several sources' users and items.
+    also: tuple[str, ...] = ()
 
 
 VARIANTS = {
@@ -131,6 +135,16 @@ VARIANTS = {
         f"ml-latest-small: users with >= {LONG_MIN} interactions, users cut to {SHORT_LENGTHS} items and "
         f"{ORDINARY_USERS} users as they are",
     ),
+    # Every shape above in one catalog, for the one DAG run `make test` can afford: Beauty's users (text ids)
+    # and `long`'s (numeric ids, the longest histories and users at the minimum length), repeats injected
+    # everywhere, and no titles, no categories, no timestamps.
+    "all_shapes": Variant(
+        "amazon_beauty",
+        (inject_repeats, strip_titles, strip_categories, strip_timestamps),
+        "Beauty plus `long`'s MovieLens users: repeats, no titles, no categories, no timestamps, text and "
+        "numeric ids, histories from 2 to thousands of items",
+        also=("long",),
+    ),
 }
 
 
@@ -143,6 +157,23 @@ def first_users(t: Tables, max_users: int) -> Tables:
     return Tables(inter[inter["user_id"].isin(users)].reset_index(drop=True), t.items)
 
 
+def variant_tables(name: str, source_root: Path, max_users: int = 0) -> Tables:
+    """Variant `name`'s tables: its source's first `max_users` users (all when <= 0), the `also` variants'
+    tables appended (whole), then its transforms."""
+    v = VARIANTS[name]
+    tables = first_users(read_tables(source_root / v.source), max_users)
+    cols = ["item_id", "title", "categories"]
+    for other in v.also:
+        extra = variant_tables(other, source_root)
+        tables = Tables(
+            pd.concat([tables.interactions, extra.interactions], ignore_index=True, join="inner"),
+            pd.concat([tables.items[cols], extra.items[cols]], ignore_index=True),
+        )
+    for f in v.transforms:
+        tables = f(tables)
+    return Tables(tables.interactions, tables.items[cols])
+
+
 def build_variant(
     name: str, out: str | Path, source_root: str | Path | None = None, max_users: int = 0
 ) -> Path:
@@ -151,10 +182,8 @@ def build_variant(
     if name not in VARIANTS:
         raise KeyError(f"unknown variant {name!r}: one of {sorted(VARIANTS)}")
     v = VARIANTS[name]
-    tables = first_users(read_tables(Path(source_root or data_root()) / v.source), max_users)
-    for f in v.transforms:
-        tables = f(tables)
-    items = tables.items[["item_id", "title", "categories"]]
+    tables = variant_tables(name, Path(source_root or data_root()), max_users)
+    items = tables.items
     # Written to a temp folder then renamed: a crash never leaves a half-written dataset behind.
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
@@ -168,6 +197,7 @@ def build_variant(
         "about": v.about,
         "source": v.source,
         "transforms": [f.__name__ for f in v.transforms],
+        "also": list(v.also),
         "users": int(tables.interactions["user_id"].nunique()),
         "items": len(items),
         "interactions": len(tables.interactions),

@@ -65,6 +65,7 @@ def shared():
         ("stripped", ["titles", "timestamps"], False),
         ("repeats", [], True),
         ("long", [], False),
+        ("all_shapes", ["titles", "categories", "timestamps"], True),
     ],
 )
 def test_real_variants_load_and_profile(shared, tmp_path, name, lacks, has_repeats):
@@ -73,7 +74,9 @@ def test_real_variants_load_and_profile(shared, tmp_path, name, lacks, has_repea
     ds = load_dataset(build_variant(name, tmp_path / name, max_users=max_users))
     prof = dataset_profile(ds)
     assert prof["lacks"] == lacks
-    if max_users:
+    if name == "all_shapes":  # Beauty's slice plus every user of `long`
+        assert prof["users"] == max_users + 46
+    elif max_users:
         assert prof["users"] == max_users
     assert ("repeats" in prof["has"]) == has_repeats
     if name == "repeats":
@@ -82,3 +85,8 @@ def test_real_variants_load_and_profile(shared, tmp_path, name, lacks, has_repea
         h = prof["history_length"]
         assert h["min"] == 2 and h["max"] == 2698
         assert prof["users_by_length"] == {"1": 0, "2": 1, "3": 1, ">=4": 44}  # 3 long + 1 cut to 4 + 40
+    if name == "all_shapes":  # `long`'s extremes, repeats included; text and numeric ids in one catalog
+        h = prof["history_length"]
+        assert h["min"] == 2 and h["max"] > 2698
+        users = ds.interactions["user_id"].astype(str)
+        assert users.str.isdigit().any() and not users.str.isdigit().all()

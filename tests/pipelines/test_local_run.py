@@ -1,8 +1,10 @@
 """kfp.local smoke runs of the whole DAG on a small real slice (SubprocessRunner, use_venv=False).
 
-The full run uses Beauty's `stripped` variant (no titles, no timestamps: gr2/data/variants.py), the most degraded
-shape a real catalog has, so one DAG run covers every stage, serving, the degraded-data paths and the dataset
-profile (tests/pipelines/test_variants_dag.py runs the other variants with GR2_ALL_VARIANTS=1)."""
+The full run uses the `all_shapes` variant (gr2/data/variants.py: Beauty's first 300 users and ml-latest-small's
+longest and shortest histories in one catalog, repeats injected, no titles, categories or timestamps), every
+degraded shape a real catalog has at once, so one DAG run covers every stage, serving, the degraded-data paths
+and the dataset profile (tests/pipelines/test_variants_dag.py runs each variant on its own with
+GR2_ALL_VARIANTS=1)."""
 
 from __future__ import annotations
 
@@ -24,11 +26,15 @@ pytestmark = pytest.mark.slow
 
 
 def test_local_run_writes_report(tmp_path):
-    """Every stage of the DAG, on Beauty's first 300 users stripped of titles and timestamps, with the smoke
-    profile (tiny model, a few steps per stage)."""
-    if not (data_root() / VARIANTS["stripped"].source / "interactions.tsv").exists():
+    """Every stage of the DAG, on the `all_shapes` variant (Beauty's first 300 users and ml-latest-small's
+    extremes, repeats, no titles, categories or timestamps), with the smoke profile (tiny model, a few steps
+    per stage)."""
+    v = VARIANTS["all_shapes"]
+    if not all(
+        (data_root() / VARIANTS[x].source / "interactions.tsv").exists() for x in ("all_shapes", *v.also)
+    ):
         pytest.skip("shared data not available")
-    data = build_variant("stripped", tmp_path / "data", max_users=300)
+    data = build_variant("all_shapes", tmp_path / "data", max_users=300)
     # A profile override (--set seed=1), as the second-seed bench runs it: every step and the tools below read it.
     res = run_local(
         str(data),
@@ -43,7 +49,7 @@ def test_local_run_writes_report(tmp_path):
     rep = res["report"]
     assert rep is not None, res["validation"]
     assert rep["profile"] == "smoke seed=1" and run_profile(tmp_path / "smoke").seed == 1
-    check_variant_report(rep, (tmp_path / "smoke" / "report.md").read_text(), "stripped")
+    check_variant_report(rep, (tmp_path / "smoke" / "report.md").read_text(), "all_shapes")
     assert [(r["model"], r["tau"]) for r in rep["rows"]] == [
         ("floor", None),
         ("popularity", None),

@@ -2,9 +2,10 @@
 not have: no titles and no categories, no timestamps, repeat purchases, very long histories beside users at
 the minimum length. Each variant is built from ../shared/data by gr2/data/variants.py into a temp folder.
 `stripped` (no titles, no timestamps) stands for "Beauty without timestamps": it is also the variant of the
-documented bench recipe, so one run covers both. A DAG run costs minutes of CPU: `make test` runs `stripped` once,
-in tests/pipelines/test_local_run.py (with serving and the speed and comparison tools); GR2_ALL_VARIANTS=1 runs
-every variant here."""
+documented bench recipe. A DAG run costs about 4 minutes of CPU (most of it each step's process importing torch,
+transformers, Feast or Great Expectations), so `make test` runs one: `all_shapes` (every shape at once, text and
+numeric ids in one catalog) in tests/pipelines/test_local_run.py, with serving and the speed and comparison
+tools. GR2_ALL_VARIANTS=1 runs each variant on its own here."""
 
 from __future__ import annotations
 
@@ -22,10 +23,16 @@ pytestmark = pytest.mark.slow
 # Users per variant (the source's first N by id; 0 = all). Beauty's first 300 users give ~100 retrieval-hit training lists
 # and a few validation and test lists. `long` is small already: 3 users with 2,108 to 2,698 interactions, 3 cut
 # to 2, 3 and 4 items, 40 as they are.
-SLICES = {"no_text": 300, "stripped": 300, "repeats": 300, "long": 0}
-USERS = {"no_text": 300, "stripped": 300, "repeats": 300, "long": 46}
+SLICES = {"no_text": 300, "stripped": 300, "repeats": 300, "long": 0, "all_shapes": 300}
+USERS = {"no_text": 300, "stripped": 300, "repeats": 300, "long": 46, "all_shapes": 346}
 BOUNDS = {"min_examples": 10}
-LACKS = {"no_text": ["titles", "categories"], "stripped": ["titles", "timestamps"], "repeats": [], "long": []}
+LACKS = {
+    "no_text": ["titles", "categories"],
+    "stripped": ["titles", "timestamps"],
+    "repeats": [],
+    "long": [],
+    "all_shapes": ["titles", "categories", "timestamps"],
+}
 # Evidence features the data cannot supply: dropped, and the report says why (never a constant column).
 NO_TITLES, NO_CATEGORIES = (
     ("title_sim", "no item has title tokens"),
@@ -36,6 +43,7 @@ DROPPED = {
     "stripped": dict([NO_TITLES]),
     "repeats": {},
     "long": {},
+    "all_shapes": dict([NO_CATEGORIES, NO_TITLES]),
 }
 STAGES = [
     "floor",
@@ -60,9 +68,11 @@ def check_variant_report(rep: dict, md: str, name: str) -> None:
     assert isinstance(rep["gate"]["passed"], bool) and rep["gate"]["reasons"]
     prof = rep["dataset_profile"]
     assert prof["lacks"] == LACKS[name] and prof["users"] == USERS[name]
-    assert ("repeats" in prof["has"]) == (name == "repeats")
+    assert ("repeats" in prof["has"]) == (name in ("repeats", "all_shapes"))
     if name == "long":
         assert prof["history_length"]["min"] == 2 and prof["history_length"]["max"] == 2698
+    if name == "all_shapes":  # `long`'s users with repeats injected
+        assert prof["history_length"]["min"] == 2 and prof["history_length"]["max"] == 3226
     assert rep["evidence"]["dropped_features"] == DROPPED[name]
     assert not set(DROPPED[name]) & set(rep["evidence"]["features"])
     assert "## Dataset profile" in md and f"lacks: {', '.join(LACKS[name]) or 'nothing'}" in md

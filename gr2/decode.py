@@ -232,24 +232,6 @@ def _block_slots(
     return answer_slots(follow, resp, known, n).cols(-cl)
 
 
-def _open_block_slots(
-    follow: TraceRule | None,
-    n: torch.Tensor | None,
-    resp: torch.Tensor,
-    committed: torch.Tensor,
-    in_trace: torch.Tensor | None,
-    cur: Slots | None,
-    cur_known: int,
-) -> tuple[Slots | None, int]:
-    """`_block_slots`, or `cur` again when the block's committed trace positions (in_trace [B, cl]) are the
-    `cur_known` it was read at: the slots read only decoded trace tokens, and commits never leave. Returns
-    (slots, the count they were read at)."""
-    known = -1 if in_trace is None else int((committed & in_trace).sum())
-    if cur is not None and known == cur_known and known >= 0:
-        return cur, cur_known
-    return _block_slots(follow, n, resp, committed), known
-
-
 def _check_logprobs(logprobs: torch.Tensor | None, rule: Callable | None, shape: tuple[int, int]) -> None:
     """Validate the optional output tensor and clear it: fillers (never decoded) keep log-prob 0."""
     if logprobs is None:
@@ -601,10 +583,6 @@ def diffusion_generate(
         per_round = first_end < end and s0 < trace_end
         # The block's trace positions (a label and a level per candidate): once all are decoded, its slots are fixed.
         in_trace = None if n is None else torch.arange(s0, end, device=seq.device)[None, :] < 2 * n[:, None]
-        # While the block's trace is open its slots change only when a round commits a trace position: `cur` is
-        # reused until `trace_known` (committed trace positions, which only grow) changes.
-        cur: Slots | None = None
-        cur_known = -1
         eos_seen = False  # no row can finish inside this block before some row commits an eos in it
         while not bool(committed.all()):
             if back or not bool(committed[:, 1:].all()):
@@ -629,10 +607,7 @@ def diffusion_generate(
             lp = None if logprobs is None else logprobs[:, s0:end]
             slots = fixed
             if per_round:
-                cur, cur_known = _open_block_slots(
-                    follow, n, resp[:, :end], committed, in_trace, cur, cur_known
-                )
-                slots = cur
+                slots = _block_slots(follow, n, resp[:, :end], committed)
                 if in_trace is not None and bool((committed | ~in_trace).all()):
                     fixed, per_round = slots, False
             eos_seen |= _commit_round(
@@ -650,13 +625,7 @@ def diffusion_generate(
                 slots,
             )
             if commit_fn is None and seen is not None and unique is not None and end > first_end:
-                if fixed is not None:
-                    now = fixed
-                else:
-                    cur, cur_known = _open_block_slots(
-                        follow, n, resp[:, :end], committed, in_trace, cur, cur_known
-                    )
-                    now = cur
+                now = fixed if fixed is not None else _block_slots(follow, n, resp[:, :end], committed)
                 if now is not None:
                     forced_commits(now, block, committed, seen, unique, traj[:, s0:end], rnd)
             rnd += 1

@@ -747,6 +747,7 @@ def spec_generate(
     resp = seq[:, P:]
     done = torch.zeros(B, dtype=torch.bool, device=seq.device)
     n = _follow_n(follow, unique, seq[:, :P])
+    first_end = _trace_ends(n)[0]
     d_cache, anchor = _prefill(draft, seq, attn, pos, P)
     v_cache, v_logits = _prefill(verifier, seq, attn, pos, P)
     first = v_logits.argmax(-1)  # the verifier's next token (the first response token)
@@ -801,6 +802,12 @@ def spec_generate(
                     shifted = anchor[:, None]
                 slots = _block_slots(follow, n, resp[:, :end], drafted)
                 _commit_round(shifted, drafted, tau, None, block, None, None, 0, None, unique, seen, slots)
+                if seen is not None and unique is not None and end > first_end:
+                    # as diffusion_generate: a slot the trace leaves one label is drafted without the model
+                    # (the verifier's arg-max there is bound to the same label, so the draft only gets cheaper)
+                    now = _block_slots(follow, n, resp[:, :end], drafted)
+                    if now is not None:
+                        forced_commits(now, block, drafted, seen, unique, None, 0)
             # Verify: the verifier's arg-max for every position of the block, in one causal forward.
             new = v_stored < s0
             logits = verifier(

@@ -8,7 +8,7 @@ import gr2.decode as dec
 from gr2.decode import ar_generate, diffusion_generate, select_commits, spec_generate
 from gr2.model import convert_to_diffusion
 from tests.gr2.test_train import EOS, MASK, toy_items, toy_model, toy_sft_and_cft
-from tests.gr2.trace_toy import ANSWER, ANSWER_IDS, FOLLOW, follows, trace_items
+from tests.gr2.trace_toy import ANSWER, ANSWER_IDS, FOLLOW, Scripted, follows, trace_items
 
 BS = 4
 
@@ -439,4 +439,15 @@ def test_follow_keeps_the_equivalences(trace_models, tau, monkeypatch):
         e, _, t2 = diffusion_generate(diff, ps, 24, bs, tau, MASK, EOS, use_cache=False, **kw)
         assert torch.equal(d, e) and torch.equal(t1, t2)
         assert sum(forced) == 2 * n_cached  # the same forced commits in both loops
+        forced.clear()
+    # The trained toy ties every level of its traces, so its rounds never leave a slot one label: a scripted
+    # model writing the items' own traces does, and both loops must force the same labels.
+    items = trace_items(12, 8)
+    script = Scripted(diff, items, diff.config.vocab_size)
+    for bs in (3, 4):
+        d, _, t1 = diffusion_generate(script, ps, 24, bs, tau, MASK, EOS, **kw)
+        n_cached = sum(forced)
+        e, _, t2 = diffusion_generate(script, ps, 24, bs, tau, MASK, EOS, use_cache=False, **kw)
+        assert torch.equal(d, e) and torch.equal(t1, t2)
+        assert n_cached > 0 and sum(forced) == 2 * n_cached
         forced.clear()

@@ -47,3 +47,30 @@ def follows(prompt: list[int], row: list[int]) -> bool | None:
     if sorted(answer) != sorted(level):
         return None
     return all(level[a] >= level[b] for a, b in zip(answer, answer[1:], strict=False))
+
+
+class Scripted(torch.nn.Module):
+    """`inner` (which keeps its cache) with its logits replaced by one-hot scores for `items`' responses: the
+    logits at a row's position p predict the response token at p + 1 (read off the position ids, so cached and
+    uncached loops see the same script). Unlike the trained toy, whose traces tie every level, its traces are
+    `trace_items`' own, with distinct levels: a round that completes a trace leaves answer slots one label."""
+
+    def __init__(self, inner: torch.nn.Module, items: list, vocab: int):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+        self.prompt_len = torch.tensor([len(p) for p, _, _ in items])
+        width = max(len(r) for _, r, _ in items)
+        self.resp = torch.full((len(items), width + 1), EOS)
+        for i, (_, r, _) in enumerate(items):
+            self.resp[i, : len(r)] = torch.tensor(r)
+        self.vocab = vocab
+
+    def forward(self, **kw):
+        out = self.inner(**kw)
+        keep = out.logits.shape[1]
+        at = (
+            kw["position_ids"][:, -keep:] + 1 - self.prompt_len[:, None]
+        )  # the response index each column predicts
+        tok = self.resp.gather(1, at.clamp(0, self.resp.shape[1] - 1))
+        out.logits = 10.0 * torch.nn.functional.one_hot(tok, self.vocab).float()
+        return out

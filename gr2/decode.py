@@ -187,10 +187,8 @@ def rule_bans(
     if seen is None or not bool(seen.any()):  # the trace holds no label: no repeat to ban
         return ban
     if ban is None:
-        ban = torch.zeros(
-            seen.shape[0], 1 if slots is None else slots.active.shape[1], vocab, dtype=torch.bool
-        )
-        ban = ban.to(seen.device)
+        C = 1 if slots is None else slots.active.shape[1]
+        ban = torch.zeros(seen.shape[0], C, vocab, dtype=torch.bool, device=seen.device)
     ban[..., unique] |= seen[:, None]
     return ban
 
@@ -777,6 +775,7 @@ def spec_generate(
             if unique is not None:
                 held = torch.cat([resp[:, :s0], block.masked_fill(~kept, mask_id)], dim=1)
                 seen = (held[:, :, None] == unique).any(1)
+            slots = _block_slots(follow, n, resp[:, :end], drafted)
             while not bool(drafted.all()):
                 if d_stored < s0 or not bool(drafted[:, 1:].all()):
                     # A model's first forward of a block also feeds the finished blocks not yet in its cache.
@@ -800,14 +799,14 @@ def spec_generate(
                         shifted = torch.cat([anchor[:, None], logits[:, :-1]], dim=1)
                 else:
                     shifted = anchor[:, None]
-                slots = _block_slots(follow, n, resp[:, :end], drafted)
                 _commit_round(shifted, drafted, tau, None, block, None, None, 0, None, unique, seen, slots)
-                if seen is not None and unique is not None and end > first_end:
+                # The slots this round left: the next round's too (forced commits write answer slots only, and
+                # the slots read only trace tokens).
+                slots = _block_slots(follow, n, resp[:, :end], drafted)
+                if slots is not None and seen is not None and unique is not None and end > first_end:
                     # as diffusion_generate: a slot the trace leaves one label is drafted without the model
                     # (the verifier's arg-max there is bound to the same label, so the draft only gets cheaper)
-                    now = _block_slots(follow, n, resp[:, :end], drafted)
-                    if now is not None:
-                        forced_commits(now, block, drafted, seen, unique, None, 0)
+                    forced_commits(slots, block, drafted, seen, unique, None, 0)
             # Verify: the verifier's arg-max for every position of the block, in one causal forward.
             new = v_stored < s0
             logits = verifier(

@@ -443,7 +443,7 @@ def test_follow_keeps_the_equivalences(trace_models, tau, monkeypatch):
     # The trained toy ties every level of its traces, so its rounds never leave a slot one label: a scripted
     # model writing the items' own traces does, and both loops must force the same labels.
     items = trace_items(12, 8)
-    script = Scripted(diff, items, diff.config.vocab_size)
+    script = Scripted(diff, items)
     for bs in (3, 4):
         d, _, t1 = diffusion_generate(script, ps, 24, bs, tau, MASK, EOS, **kw)
         n_cached = sum(forced)

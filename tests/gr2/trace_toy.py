@@ -55,7 +55,7 @@ class Scripted(torch.nn.Module):
     uncached loops see the same script). Unlike the trained toy, whose traces tie every level, its traces are
     `trace_items`' own, with distinct levels: a round that completes a trace leaves answer slots one label."""
 
-    def __init__(self, inner: torch.nn.Module, items: list, vocab: int):
+    def __init__(self, inner: torch.nn.Module, items: list):
         super().__init__()
         self.inner, self.config = inner, inner.config
         self.prompt_len = torch.tensor([len(p) for p, _, _ in items])
@@ -63,14 +63,11 @@ class Scripted(torch.nn.Module):
         self.resp = torch.full((len(items), width + 1), EOS)
         for i, (_, r, _) in enumerate(items):
             self.resp[i, : len(r)] = torch.tensor(r)
-        self.vocab = vocab
 
     def forward(self, **kw):
         out = self.inner(**kw)
-        keep = out.logits.shape[1]
-        at = (
-            kw["position_ids"][:, -keep:] + 1 - self.prompt_len[:, None]
-        )  # the response index each column predicts
+        # the response index each returned column predicts
+        at = kw["position_ids"][:, -out.logits.shape[1] :] + 1 - self.prompt_len[:, None]
         tok = self.resp.gather(1, at.clamp(0, self.resp.shape[1] - 1))
-        out.logits = 10.0 * torch.nn.functional.one_hot(tok, self.vocab).float()
+        out.logits = 10.0 * torch.nn.functional.one_hot(tok, self.config.vocab_size).float()
         return out

@@ -106,6 +106,9 @@ class DiffusionConfig:
     block_size: int = 8
     taus: tuple[float, ...] = (1.0, 0.9, 0.6, 0.4)
     eval_tau: float = 0.9
+    # The spec decoder's draft threshold. spec's output is AR's whatever the draft (gr2/decode.py spec_generate), so
+    # this only trades draft forwards against verifier forwards: chosen on validation speed (README: spec).
+    spec_tau: float = 0.4
     noise_eps: float = 1e-3  # CFT noise level t ~ U(noise_eps, 1] per block (bounds the 1/t weight)
     complementary: bool = True  # CFT: second view masks exactly the complement (Fast-dLLM v2)
     loss_weighting: str = "inv_t"  # "inv_t" (masked-diffusion ELBO weight 1/t) | "none"

@@ -724,7 +724,9 @@ def spec_generate(
     Per block (aligned as in `diffusion_generate`): the `draft` fills the block's open positions with its
     threshold-commit rounds (`select_commits` at tau), then the AR `verifier` reads the whole block in one causal
     forward. The decoder keeps the longest prefix of the block that equals the verifier's arg-max, plus the
-    verifier's own token at the first disagreement, and reopens the positions after it for the draft. When the
+    verifier's own token at the first disagreement. The draft's tokens after it stay as drafted, unverified: the
+    next verification reads them after the corrected token (a correction seldom changes what follows it, so
+    drafting them again would mostly cost draft forwards; the verifier still reads every one of them). When the
     verifier accepted a whole block as fed, its arg-max at the block's last column is the next block's first
     token. Every kept token is the verifier's arg-max given kept tokens only (a causal column never sees the
     drafts after it), so the output is AR greedy's whatever the draft; only the cost depends on the draft. (Up to
@@ -768,45 +770,43 @@ def spec_generate(
         kept[done] = True
         block[done] = fill
         canvas_mask = rows[:, :, s0:end, : P + end].contiguous()
-        while not bool(kept.all()):
-            # Draft: commit rounds until no position is open (which round committed what is not kept).
-            drafted = kept.clone()
-            seen = None  # the labels the response holds: earlier blocks and this block's kept prefix
-            if unique is not None:
-                held = torch.cat([resp[:, :s0], block.masked_fill(~kept, mask_id)], dim=1)
-                seen = (held[:, :, None] == unique).any(1)
-            slots = _block_slots(follow, n, resp[:, :end], drafted)
-            while not bool(drafted.all()):
-                if d_stored < s0 or not bool(drafted[:, 1:].all()):
-                    # A model's first forward of a block also feeds the finished blocks not yet in its cache.
-                    new = d_stored < s0
-                    logits = draft(
-                        input_ids=seq[:, P + d_stored : P + end],
-                        attention_mask=rows[:, :, d_stored:end, : P + end].contiguous()
-                        if new
-                        else canvas_mask,
-                        position_ids=pos[:, P + d_stored : P + end],
-                        cache=d_cache,
-                        use_cache=True,
-                        logits_to_keep=cl + new,
-                    ).logits
-                    nfe += 1
-                    d_cache.crop(-cl)
-                    d_stored = s0
-                    if new:  # column 0 is the last finished column: the new anchor, already token-shifted
-                        anchor, shifted = logits[:, 0], logits[:, :cl]
-                    else:
-                        shifted = torch.cat([anchor[:, None], logits[:, :-1]], dim=1)
+        # Draft the block once: commit rounds until no position is open (which round committed what is not kept).
+        drafted = kept.clone()
+        seen = None  # the labels the response holds: earlier blocks and this block's kept positions
+        if unique is not None:
+            held = torch.cat([resp[:, :s0], block.masked_fill(~kept, mask_id)], dim=1)
+            seen = (held[:, :, None] == unique).any(1)
+        slots = _block_slots(follow, n, resp[:, :end], drafted)
+        while not bool(drafted.all()):
+            if d_stored < s0 or not bool(drafted[:, 1:].all()):
+                # A model's first forward of a block also feeds the finished blocks not yet in its cache.
+                new = d_stored < s0
+                logits = draft(
+                    input_ids=seq[:, P + d_stored : P + end],
+                    attention_mask=rows[:, :, d_stored:end, : P + end].contiguous() if new else canvas_mask,
+                    position_ids=pos[:, P + d_stored : P + end],
+                    cache=d_cache,
+                    use_cache=True,
+                    logits_to_keep=cl + new,
+                ).logits
+                nfe += 1
+                d_cache.crop(-cl)
+                d_stored = s0
+                if new:  # column 0 is the last finished column: the new anchor, already token-shifted
+                    anchor, shifted = logits[:, 0], logits[:, :cl]
                 else:
-                    shifted = anchor[:, None]
-                _commit_round(shifted, drafted, tau, None, block, None, None, 0, None, unique, seen, slots)
-                # The slots this round left: the next round's too (forced commits write answer slots only, and
-                # the slots read only trace tokens).
-                slots = _block_slots(follow, n, resp[:, :end], drafted)
-                if slots is not None and seen is not None and unique is not None and end > first_end:
-                    # as diffusion_generate: a slot the trace leaves one label is drafted without the model
-                    # (the verifier's arg-max there is bound to the same label, so the draft only gets cheaper)
-                    forced_commits(slots, block, drafted, seen, unique, None, 0)
+                    shifted = torch.cat([anchor[:, None], logits[:, :-1]], dim=1)
+            else:
+                shifted = anchor[:, None]
+            _commit_round(shifted, drafted, tau, None, block, None, None, 0, None, unique, seen, slots)
+            # The slots this round left: the next round's too (forced commits write answer slots only, and
+            # the slots read only trace tokens).
+            slots = _block_slots(follow, n, resp[:, :end], drafted)
+            if slots is not None and seen is not None and unique is not None and end > first_end:
+                # as diffusion_generate: a slot the trace leaves one label is drafted without the model
+                # (the verifier's arg-max there is bound to the same label, so the draft only gets cheaper)
+                forced_commits(slots, block, drafted, seen, unique, None, 0)
+        while not bool(kept.all()):
             # Verify: the verifier's arg-max for every position of the block, in one causal forward.
             new = v_stored < s0
             logits = verifier(
@@ -847,7 +847,6 @@ def spec_generate(
             fix = cols == j[:, None]
             block[fix] = want[fix]
             kept = cols <= j[:, None]
-            block[~kept] = mask_id
             known, first = j == cl, top[:, -1]  # all of the block read as kept: its next token is exact
             if eos_id is not None:  # a kept eos ends its row: AR writes eos after it
                 eos = (kept & (block == eos_id)).long()

@@ -41,7 +41,7 @@ def check(
     report = json.loads((run / "report.json").read_text())
     profile = run_profile(run)
     torch.set_num_threads(profile.eval.threads)
-    tau = profile.diffusion.eval_tau if tau is None else tau
+    tau = profile.diffusion.spec_tau if tau is None else tau
     examples = run_examples(run)
     df = examples[examples["split"] == split].reset_index(drop=True)
     if limit > 0:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--draft", default="rl", help="the diffusion bundle that drafts (default: rl)")
     ap.add_argument("--split", default="test", choices=["train", "val", "test"])
     ap.add_argument(
-        "--tau", type=float, help="the draft's commit threshold (default: the profile's eval_tau)"
+        "--tau", type=float, help="the draft's commit threshold (default: the profile's spec_tau)"
     )
     ap.add_argument("--limit", type=int, default=0, help="only the split's first N lists (0: all)")
     ap.add_argument("--out", help="also write the JSON here")

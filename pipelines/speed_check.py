@@ -3,7 +3,7 @@
 `make bench` measures speed on the CPU it trains on. This re-measures the same speed rows for the run's
 bundles on another device, with the same code (`gr2.stages.evaluate.speed_table`): the run's first test lists,
 AR for the `ar` teacher, every tau of the profile for each diffusion bundle, and `spec` (--spec drafting at the
-profile's eval_tau, `ar` verifying), at batch 1 and the serving batch.
+profile's spec_tau, `ar` verifying), at batch 1 and the serving batch.
 
     python -m pipelines.speed_check --run runs/latest --device cuda --out benchmarks/speed_cuda
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.spec in models:
         models["spec"] = models[args.spec].with_verifier(models["ar"].model, "spec")
-        plans.append(("spec", "spec", profile.diffusion.eval_tau))
+        plans.append(("spec", "spec", profile.diffusion.spec_tau))
     examples = run_examples(run)
     test = examples[examples["split"] == "test"].reset_index(drop=True)
 

@@ -196,7 +196,7 @@ def evaluate_generative(
     a `spec` row, and the speed list.
 
     `bundles` maps a row name to a bundle; the AR teacher must be under "ar" (the speed baseline). `spec` is
-    speculative decoding at eval_tau: the final student (rl, else opd, else cft) drafts, "ar" verifies, so its
+    speculative decoding at spec_tau: the final student (rl, else opd, else cft) drafts, "ar" verifies, so its
     tokens are ar's (gr2/decode.py spec_generate) and its accuracy row equals ar's."""
     if "ar" not in bundles:
         raise ValueError("evaluate_generative needs the AR teacher under the name 'ar' (the speed baseline)")
@@ -217,7 +217,7 @@ def evaluate_generative(
     student = next((n for n in ("rl", "opd", "cft") if n in models), None)
     if student is not None:
         models["spec"] = models[student].with_verifier(models["ar"].model, name="spec")
-        plans.append(("spec", "spec", dc.eval_tau))
+        plans.append(("spec", "spec", dc.spec_tau))
     for name, decoder, tau in plans:
         log.info("evaluate %s (%s, tau=%s) on %d test lists", name, decoder, tau, len(test))
         rows.append(decode_rows(models[name], test, decoder, tau, profile))

@@ -229,7 +229,10 @@ def test_evaluate_rows_and_speed(pipeline):
         ("naive", 0.5),
         ("cft", 1.0),
         ("cft", 0.5),
-        ("spec", 0.5),  # the final student drafts, ar verifies: ar's tokens, so ar's accuracy
+        (
+            "spec",
+            prof.diffusion.spec_tau,
+        ),  # the final student drafts, ar verifies: ar's tokens, so ar's accuracy
     ]
     assert rows[-1]["recall@1"] == rows[0]["recall@1"] and rows[-1]["validity"] == rows[0]["validity"]
     for r in rows:
@@ -238,7 +241,9 @@ def test_evaluate_rows_and_speed(pipeline):
         assert r["ci95"]["recall@1"][0] <= r["recall@1"] <= r["ci95"]["recall@1"][1]
     # Speed: AR then CFT at every tau, at batch 1 and at the serving batch; AR is its own baseline.
     assert [(s["model"], s["tau"], s["batch"]) for s in speed] == [
-        (m, t, b) for b in (1, 4) for m, t in (("ar", None), ("cft", 1.0), ("cft", 0.5), ("spec", 0.5))
+        (m, t, b)
+        for b in (1, 4)
+        for m, t in (("ar", None), ("cft", 1.0), ("cft", 0.5), ("spec", prof.diffusion.spec_tau))
     ]
     for s in speed:
         assert s["tokens_per_s"] > 0 and s["nfe_per_seq"] >= 1

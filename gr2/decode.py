@@ -581,6 +581,7 @@ def diffusion_generate(
         per_round = first_end < end and s0 < trace_end
         # The block's trace positions (a label and a level per candidate): once all are decoded, its slots are fixed.
         in_trace = None if n is None else torch.arange(s0, end, device=seq.device)[None, :] < 2 * n[:, None]
+        slots = _block_slots(follow, n, resp[:, :end], committed) if per_round else fixed
         eos_seen = False  # no row can finish inside this block before some row commits an eos in it
         while not bool(committed.all()):
             if back or not bool(committed[:, 1:].all()):
@@ -603,11 +604,6 @@ def diffusion_generate(
             else:  # only position 0 open: its logits (the anchor) do not depend on the canvas
                 shifted = anchor[:, None]
             lp = None if logprobs is None else logprobs[:, s0:end]
-            slots = fixed
-            if per_round:
-                slots = _block_slots(follow, n, resp[:, :end], committed)
-                if in_trace is not None and bool((committed | ~in_trace).all()):
-                    fixed, per_round = slots, False
             eos_seen |= _commit_round(
                 shifted,
                 committed,
@@ -622,10 +618,13 @@ def diffusion_generate(
                 seen,
                 slots,
             )
-            if commit_fn is None and seen is not None and unique is not None and end > first_end:
-                now = fixed if fixed is not None else _block_slots(follow, n, resp[:, :end], committed)
-                if now is not None:
-                    forced_commits(now, block, committed, seen, unique, traj[:, s0:end], rnd)
+            if per_round:  # the slots this round left, which are the next round's too: forced commits write
+                # answer slots only, and the slots read only trace tokens
+                slots = _block_slots(follow, n, resp[:, :end], committed)
+                if in_trace is not None and bool((committed | ~in_trace).all()):
+                    fixed, per_round = slots, False
+            if commit_fn is None and slots is not None and seen is not None and unique is not None:
+                forced_commits(slots, block, committed, seen, unique, traj[:, s0:end], rnd)
             rnd += 1
             if eos_seen and eos_id is not None:  # (eos_seen implies an eos_id)
                 _finish_rows(block, committed, done, eos_id, fill)

@@ -217,41 +217,54 @@ class GenerativeReranker:
         for b0 in range(0, len(prompts), batch):
             chunk = prompts[b0 : b0 + batch]
             t0 = time.perf_counter()
-            if decoder == "ar":
-                toks, n = ar_generate(
-                    self.model, chunk, self.max_new_tokens, eos, unique=self.unique, follow=self.follow
-                )
-            elif decoder == "spec":
-                assert self.verifier is not None  # checked above
-                toks, n, n_verify = spec_generate(
-                    self.model,
-                    self.verifier,
-                    chunk,
-                    self.max_new_tokens,
-                    self.block_size,
-                    tau,
-                    self.tokenizer.mask_token_id,
-                    eos,
-                    unique=self.unique,
-                    follow=self.follow,
-                )
-                verifier_nfe += n_verify
-            else:
-                toks, n, _ = diffusion_generate(
-                    self.model,
-                    chunk,
-                    self.max_new_tokens,
-                    self.block_size,
-                    tau,
-                    self.tokenizer.mask_token_id,
-                    eos,
-                    unique=self.unique,
-                    follow=self.follow,
-                )
+            with torch.inference_mode():  # `_decode_chunk` says why
+                toks, n, n_verify = self._decode_chunk(chunk, decoder, tau)
             seconds += time.perf_counter() - t0
             nfe += n
+            verifier_nfe += n_verify
             responses += [_until_eos(row, eos) for row in toks.tolist()]
         return Decoded(responses, nfe, seconds, verifier_nfe)
+
+    def _decode_chunk(
+        self, chunk: list[list[int]], decoder: str, tau: float
+    ) -> tuple[torch.Tensor, int, int]:
+        """One decode call -> (tokens, nfe, verifier nfe). `decode` runs it under torch.inference_mode: no
+        autograd version tracking per op, which is most of a small op's cost at batch 1 (README: speed). Only
+        evaluation and serving decode here; RL and OPD, which train on what they decode, call the decoders
+        directly (an inference-mode tensor cannot be saved for backward)."""
+        eos = self.tokenizer.eos_token_id
+        n_verify = 0
+        if decoder == "ar":
+            toks, n = ar_generate(
+                self.model, chunk, self.max_new_tokens, eos, unique=self.unique, follow=self.follow
+            )
+        elif decoder == "spec":
+            assert self.verifier is not None  # checked above
+            toks, n, n_verify = spec_generate(
+                self.model,
+                self.verifier,
+                chunk,
+                self.max_new_tokens,
+                self.block_size,
+                tau,
+                self.tokenizer.mask_token_id,
+                eos,
+                unique=self.unique,
+                follow=self.follow,
+            )
+        else:
+            toks, n, _ = diffusion_generate(
+                self.model,
+                chunk,
+                self.max_new_tokens,
+                self.block_size,
+                tau,
+                self.tokenizer.mask_token_id,
+                eos,
+                unique=self.unique,
+                follow=self.follow,
+            )
+        return toks, n, n_verify
 
     def read_answer(self, response: list[int], n: int) -> Answer:
         """The response read as an Answer. Invalid output falls back to the upstream order."""

@@ -1,7 +1,7 @@
 """Load test (a benchmark, not a test): concurrent HTTP clients against the re-ranking server, per decoder.
 
     python -m serving.loadtest --model_uri <diffusion bundle> --ar_model_uri <AR teacher bundle> \
-        --decoders ar diffusion --concurrency 1 2 4 8 --requests 200 --out benchmarks/serving
+        --decoders ar diffusion spec --concurrency 1 2 4 8 --requests 200 --out benchmarks/serving
 starts one predictor per decoder on 127.0.0.1 (the AR rows decode the AR teacher; or use --url for a running server /
 the transformer), lets the decoders alternate in --turns turns at each concurrency level (side by side), sends v1 requests
 built from real examples (--examples parquet: user_id, history, candidates) or from the model's item catalogue,
@@ -28,6 +28,8 @@ from typing import Any
 
 import httpx
 
+from gr2.config import DiffusionConfig
+from gr2.generative import VERIFIER_DIR
 from gr2.report import git_sha
 from serving.schema import ServeConfig
 from serving.serve_local import free_port, running, wait_ready
@@ -122,7 +124,7 @@ async def measure(
 def summarize(decoder: str, tau: float, concurrency: int, s: Samples) -> dict[str, Any]:
     return {
         "decoder": decoder,
-        "tau": tau if decoder == "diffusion" else None,
+        "tau": None if decoder == "ar" else tau,  # spec: the draft's
         "concurrency": concurrency,
         "n": len(s.lat) + s.errors,
         "p50_ms": round(percentile(s.lat, 50), 2),
@@ -137,13 +139,13 @@ def summarize(decoder: str, tau: float, concurrency: int, s: Samples) -> dict[st
     }
 
 
-def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per concurrency measured for both decoders: diffusion p50 / AR p50 and diffusion req/s / AR req/s."""
+def compare(rows: list[dict[str, Any]], decoder: str = "diffusion") -> list[dict[str, Any]]:
+    """Per concurrency measured for `decoder` and AR: its p50 / AR p50 and its req/s / AR req/s."""
     by = {(r["decoder"], r["concurrency"]): r for r in rows}
     out = []
     for (dec, c), d in sorted(by.items(), key=lambda kv: kv[0][1]):
         ar = by.get(("ar", c))
-        if dec == "diffusion" and ar is not None and ar["p50_ms"] > 0 and ar["rps"] > 0:
+        if dec == decoder and ar is not None and ar["p50_ms"] > 0 and ar["rps"] > 0:
             out.append(
                 {
                     "concurrency": c,
@@ -169,15 +171,17 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"| {r['decoder']} | {r['tau']} | {r['concurrency']} | {r['p50_ms']} | {r['p95_ms']} | "
             f"{r['p99_ms']} | {r['rps']} | {r['errors']} | {r.get('queue_p50_ms')} | {r.get('model_p50_ms')} |"
         )
-    if report.get("diffusion_vs_ar"):
-        lines += [
-            "",
-            "| concurrency | diffusion p50 / AR p50 | diffusion req/s / AR req/s |",
-            "|---|---|---|",
-        ]
-        lines += [
-            f"| {c['concurrency']} | {c['p50_ratio']} | {c['rps_ratio']} |" for c in report["diffusion_vs_ar"]
-        ]
+    for decoder in ("diffusion", "spec"):
+        if report.get(f"{decoder}_vs_ar"):
+            lines += [
+                "",
+                f"| concurrency | {decoder} p50 / AR p50 | {decoder} req/s / AR req/s |",
+                "|---|---|---|",
+            ]
+            lines += [
+                f"| {c['concurrency']} | {c['p50_ratio']} | {c['rps_ratio']} |"
+                for c in report[f"{decoder}_vs_ar"]
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -201,8 +205,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ar_model_uri", help="the AR teacher bundle for the 'ar' rows (default: --model_uri)")
     ap.add_argument("--model_name", default="reranker")
     ap.add_argument("--examples", help="examples parquet to draw requests from")
-    ap.add_argument("--decoders", nargs="+", default=["ar", "diffusion"])
-    ap.add_argument("--tau", type=float, default=0.9)
+    ap.add_argument("--decoders", nargs="+", default=["ar", "diffusion", "spec"])
+    ap.add_argument("--tau", type=float, default=0.9, help="the diffusion rows' commit threshold")
+    ap.add_argument(
+        "--spec_tau",
+        type=float,
+        default=DiffusionConfig.spec_tau,
+        help="the spec rows' draft threshold (spec decodes AR's tokens at any tau; this one sets its speed)",
+    )
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument(
@@ -219,6 +229,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = ap.parse_args(argv)
     if a.url is None and not a.model_uri:
         sys.exit("give --url or --model_uri")
+    if "spec" in a.decoders and a.model_uri and not (Path(a.model_uri) / VERIFIER_DIR).is_dir():
+        sys.exit(
+            f"spec needs a bundle that carries its verifier ({a.model_uri} has no {VERIFIER_DIR}/): pass --decoders"
+        )
     rows = []
     # Both servers stay up and the decoders alternate in short turns at each concurrency level, so a drift of
     # the machine hits AR and diffusion alike (the ratios are side by side). AR rows decode the AR teacher
@@ -230,21 +244,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             uri = a.ar_model_uri if decoder == "ar" and a.ar_model_uri else a.model_uri
             url = stack.enter_context(_server(a, uri))
             instances = load_instances(a.examples, uri, a.requests, a.n_candidates, a.seed)
-            asyncio.run(measure(url, a.model_name, instances, decoder, a.tau, 1, 3))  # warm-up, not recorded
-            served[decoder] = (uri, url, instances)
+            tau = a.spec_tau if decoder == "spec" else a.tau
+            asyncio.run(measure(url, a.model_name, instances, decoder, tau, 1, 3))  # warm-up, not recorded
+            served[decoder] = (uri, url, instances, tau)
         for c in a.concurrency:
             samples = {d: Samples() for d in served}
             # turn t sends the same requests to every decoder, one decoder after another
             for t in range(a.turns):
                 lo, hi = t * a.requests // a.turns, (t + 1) * a.requests // a.turns
-                for decoder, (_, url, instances) in served.items():
+                for decoder, (_, url, instances, tau) in served.items():
                     asyncio.run(
-                        measure(
-                            url, a.model_name, instances, decoder, a.tau, c, hi - lo, lo, samples[decoder]
-                        )
+                        measure(url, a.model_name, instances, decoder, tau, c, hi - lo, lo, samples[decoder])
                     )
-            for decoder, (uri, _, _) in served.items():
-                row = {**summarize(decoder, a.tau, c, samples[decoder]), "model_uri": uri}
+            for decoder, (uri, _, _, tau) in served.items():
+                row = {**summarize(decoder, tau, c, samples[decoder]), "model_uri": uri}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     rows.sort(key=lambda r: a.decoders.index(r["decoder"]))  # stable: per decoder, in concurrency order
@@ -253,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, python {platform.python_version()}",
         "git_sha": git_sha(short=True),
         "rows": rows,
-        "diffusion_vs_ar": compare(rows),
+        "diffusion_vs_ar": compare(rows, "diffusion"),
+        "spec_vs_ar": compare(rows, "spec"),
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

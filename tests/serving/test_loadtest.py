@@ -4,6 +4,8 @@ real predictor that writes the report schema issue 7 asks for."""
 import json
 import math
 
+import pytest
+
 from serving.loadtest import main, percentile
 
 
@@ -74,3 +76,9 @@ def test_tiny_run_writes_report(predictor, model_dir, tmp_path):
     assert [c["concurrency"] for c in ratios] == [1, 4]
     assert ratios[0]["p50_ratio"] == round(rows[2]["p50_ms"] / rows[0]["p50_ms"], 3)
     assert ratios[1]["rps_ratio"] == round(rows[3]["rps"] / rows[1]["rps"], 3)
+
+
+def test_spec_rows_need_a_bundle_with_its_verifier(tmp_path):
+    with pytest.raises(SystemExit, match="spec needs a bundle that carries its verifier"):
+        main(["--model_uri", str(tmp_path), "--decoders", "ar", "spec", "--out", str(tmp_path / "s")])
+    assert not (tmp_path / "s.json").exists()

@@ -498,6 +498,37 @@ def _finish_rows(
         committed |= newly[:, None]
 
 
+class _RowsCache:
+    """Some rows of a decoding cache, copied, for forwards over those rows only (`diffusion_generate`).
+
+    The copy holds the prompt and the finished blocks of the rows in `rows` [B] (bool); a forward appends the
+    canvas KV, which `forward` crops again, so the copy serves every round while the same rows are open."""
+
+    def __init__(self, cache: DynamicCache, rows: torch.Tensor):
+        self.rows, self.index = rows, rows.nonzero().squeeze(1)
+        self.cache = DynamicCache()
+        for i, layer in enumerate(cache.layers):
+            self.cache.update(layer.keys[self.index], layer.values[self.index], i)
+
+    def forward(
+        self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, keep: int
+    ) -> torch.Tensor:
+        """The model's logits [B, keep, V] for ids [B, C] (mask, pos: the full batch's): the rows' own, and
+        zeros for the other rows (whose positions are all committed: the commit rule skips them)."""
+        i = self.index
+        out = model(
+            input_ids=ids[i],
+            attention_mask=mask[i],
+            position_ids=pos[i],
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        ).logits
+        self.cache.crop(-ids.shape[1])
+        logits = out.new_zeros(len(self.rows), *out.shape[1:])
+        return logits.index_copy_(0, i, out)
+
+
 @torch.no_grad()
 def diffusion_generate(
     model: torch.nn.Module,
@@ -526,6 +557,11 @@ def diffusion_generate(
     canvas a token was predicted from (RL): its block holds the tokens with a smaller round, masks elsewhere.
 
     use_cache=False runs `diffusion_generate_nocache`, the reference (same tokens and trajectory).
+
+    Rows that wait for others. Every row of a batch runs the same rounds, so a row whose block is decided waits
+    for the batch's slowest row. Such rows sit those rounds out: a round's forward reads only the rows with an
+    open position past position 0 (`_RowsCache`). Rows are independent, so their logits are the same (up to the
+    rounding of a smaller matrix product), and the tokens are.
 
     commit_fn: the commit rule, called as commit_fn(shifted logits, masked, tau) -> (commit, tokens,
     log-probs) (default `select_commits`, no log-probs computed). logprobs: optional output
@@ -583,8 +619,22 @@ def diffusion_generate(
         in_trace = None if n is None else torch.arange(s0, end, device=seq.device)[None, :] < 2 * n[:, None]
         slots = _block_slots(follow, n, resp[:, :end], committed) if per_round else fixed
         eos_seen = False  # no row can finish inside this block before some row commits an eos in it
+        part: _RowsCache | None = None  # the cache rows of the rows still open (below)
         while not bool(committed.all()):
-            if back or not bool(committed[:, 1:].all()):
+            todo = None if back else (~committed[:, 1:]).any(-1)  # rows open past position 0 (None: all rows)
+            if todo is not None and not bool(todo.any()):
+                shifted = anchor[:, None]  # only position 0 open: its logits (the anchor) ignore the canvas
+            elif todo is not None and not bool(todo.all()):
+                # The other rows sit the round out (position 0's logits are the anchor's): the forward reads the
+                # open rows only, from a copy of their cache rows, kept while the same rows are open.
+                if part is None or not torch.equal(part.rows, todo):
+                    part = _RowsCache(cache, todo)
+                logits = part.forward(
+                    model, seq[:, P + s0 : P + end], canvas_mask, pos[:, P + s0 : P + end], cl
+                )
+                nfe += 1
+                shifted = torch.cat([anchor[:, None], logits[:, :-1]], dim=1)
+            else:  # every row; a block's first forward (back) also stores the finished block for every row
                 logits = model(
                     input_ids=seq[:, P + s0 - back : P + end],
                     attention_mask=first_mask if back else canvas_mask,
@@ -601,8 +651,6 @@ def diffusion_generate(
                     anchor, shifted, back = logits[:, 0], logits[:, :cl], 0
                 else:
                     shifted = torch.cat([anchor[:, None], logits[:, :-1]], dim=1)
-            else:  # only position 0 open: its logits (the anchor) do not depend on the canvas
-                shifted = anchor[:, None]
             lp = None if logprobs is None else logprobs[:, s0:end]
             eos_seen |= _commit_round(
                 shifted,

@@ -61,13 +61,26 @@ class Scripted(torch.nn.Module):
         self.prompt_len = torch.tensor([len(p) for p, _, _ in items])
         width = max(len(r) for _, r, _ in items)
         self.resp = torch.full((len(items), width + 1), EOS)
+        self.full = None  # the cache of the whole batch (its rows are the items)
         for i, (_, r, _) in enumerate(items):
             self.resp[i, : len(r)] = torch.tensor(r)
 
     def forward(self, **kw):
         out = self.inner(**kw)
+        rows = self._rows(kw.get("cache"), out.logits.shape[0])
         # the response index each returned column predicts
-        at = kw["position_ids"][:, -out.logits.shape[1] :] + 1 - self.prompt_len[:, None]
-        tok = self.resp.gather(1, at.clamp(0, self.resp.shape[1] - 1))
+        at = kw["position_ids"][:, -out.logits.shape[1] :] + 1 - self.prompt_len[rows, None]
+        tok = self.resp[rows].gather(1, at.clamp(0, self.resp.shape[1] - 1))
         out.logits = 10.0 * torch.nn.functional.one_hot(tok, self.config.vocab_size).float()
         return out
+
+    def _rows(self, cache, batch: int) -> torch.Tensor:
+        """The items the forward's rows are: all of them in order for a whole batch; for some rows only (the
+        decoder's forward over its open rows, from a copy of their cache rows), the items whose cached keys
+        those rows hold."""
+        if batch == len(self.prompt_len):
+            self.full = cache
+            return torch.arange(batch)
+        full = self.full.layers[0].keys
+        part = cache.layers[0].keys[:, :, : full.shape[2]]
+        return torch.tensor([next(i for i in range(len(full)) if torch.equal(full[i], k)) for k in part])

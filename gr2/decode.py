@@ -622,9 +622,10 @@ def diffusion_generate(
         part: _RowsCache | None = None  # the cache rows of the rows still open (below)
         while not bool(committed.all()):
             todo = None if back else (~committed[:, 1:]).any(-1)  # rows open past position 0 (None: all rows)
-            if todo is not None and not bool(todo.any()):
+            n_todo = B if todo is None else int(todo.sum())
+            if n_todo == 0:
                 shifted = anchor[:, None]  # only position 0 open: its logits (the anchor) ignore the canvas
-            elif todo is not None and not bool(todo.all()):
+            elif todo is not None and n_todo < B:
                 # The other rows sit the round out (position 0's logits are the anchor's): the forward reads the
                 # open rows only, from a copy of their cache rows, kept while the same rows are open.
                 if part is None or not torch.equal(part.rows, todo):

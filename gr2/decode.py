@@ -54,11 +54,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from gr2.model import attention_rows, block_causal_mask, model_config, position_ids_for
 
@@ -508,6 +509,8 @@ class _RowsCache:
         self.rows, self.index = rows, rows.nonzero().squeeze(1)
         self.cache = DynamicCache()
         for i, layer in enumerate(cache.layers):
+            layer = cast(DynamicLayer, layer)  # what a DynamicCache() fills (`_prefill`)
+            assert layer.keys is not None and layer.values is not None
             self.cache.update(layer.keys[self.index], layer.values[self.index], i)
 
     def forward(

@@ -50,6 +50,7 @@ def test_local_run_writes_report(tmp_path):
     assert rep is not None, res["validation"]
     assert rep["profile"] == "smoke seed=1" and run_profile(tmp_path / "smoke").seed == 1
     check_variant_report(rep, (tmp_path / "smoke" / "report.md").read_text(), "all_shapes")
+    spec_tau = run_profile(tmp_path / "smoke").diffusion.spec_tau  # spec's draft threshold
     assert [(r["model"], r["tau"]) for r in rep["rows"]] == [
         ("floor", None),
         ("popularity", None),
@@ -64,7 +65,7 @@ def test_local_run_writes_report(tmp_path):
         ("opd", 0.5),
         ("rl", 1.0),
         ("rl", 0.5),
-        ("spec", 0.5),
+        ("spec", spec_tau),
     ]
     for r in rep["rows"]:
         assert 0 <= r["recall@1"] <= r["recall@3"] <= r["recall@5"] <= 1
@@ -125,7 +126,7 @@ def test_local_run_writes_report(tmp_path):
     )
     sp = json.loads((tmp_path / "sp.json").read_text())
     assert [(s["model"], s["tau"], s["batch"]) for s in sp["speed"]] == [
-        (m, t, b) for b in (1, 4) for m, t in (("ar", None), ("rl", 1.0), ("rl", 0.5), ("spec", 0.5))
+        (m, t, b) for b in (1, 4) for m, t in (("ar", None), ("rl", 1.0), ("rl", 0.5), ("spec", spec_tau))
     ]
     assert all(s["tokens_per_s"] > 0 for s in sp["speed"])
     assert [s["speedup_vs_ar"] for s in sp["speed"] if s["model"] == "ar"] == [1.0, 1.0]

@@ -229,42 +229,21 @@ class GenerativeReranker:
         self, chunk: list[list[int]], decoder: str, tau: float
     ) -> tuple[torch.Tensor, int, int]:
         """One decode call -> (tokens, nfe, verifier nfe). `decode` runs it under torch.inference_mode: no
-        autograd version tracking per op, which is most of a small op's cost at batch 1 (README: speed). Only
+        autograd version tracking per op, a share of every small op's cost at batch 1 (README: Where it stands). Only
         evaluation and serving decode here; RL and OPD, which train on what they decode, call the decoders
         directly (an inference-mode tensor cannot be saved for backward)."""
         eos = self.tokenizer.eos_token_id
-        n_verify = 0
         if decoder == "ar":
             toks, n = ar_generate(
                 self.model, chunk, self.max_new_tokens, eos, unique=self.unique, follow=self.follow
             )
-        elif decoder == "spec":
-            assert self.verifier is not None  # checked above
-            toks, n, n_verify = spec_generate(
-                self.model,
-                self.verifier,
-                chunk,
-                self.max_new_tokens,
-                self.block_size,
-                tau,
-                self.tokenizer.mask_token_id,
-                eos,
-                unique=self.unique,
-                follow=self.follow,
-            )
-        else:
-            toks, n, _ = diffusion_generate(
-                self.model,
-                chunk,
-                self.max_new_tokens,
-                self.block_size,
-                tau,
-                self.tokenizer.mask_token_id,
-                eos,
-                unique=self.unique,
-                follow=self.follow,
-            )
-        return toks, n, n_verify
+            return toks, n, 0
+        blocks = (chunk, self.max_new_tokens, self.block_size, tau, self.tokenizer.mask_token_id, eos)
+        if decoder == "spec":
+            assert self.verifier is not None  # checked by `decode`
+            return spec_generate(self.model, self.verifier, *blocks, unique=self.unique, follow=self.follow)
+        toks, n, _ = diffusion_generate(self.model, *blocks, unique=self.unique, follow=self.follow)
+        return toks, n, 0
 
     def read_answer(self, response: list[int], n: int) -> Answer:
         """The response read as an Answer. Invalid output falls back to the upstream order."""

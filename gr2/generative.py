@@ -7,7 +7,8 @@ One code path turns (history, candidates) into a ranking for evaluation and for 
 
 Bundle layout (written by `save_bundle`, read by `load_reranker` through the "generative" kind):
 
-    reranker.json     kind, name, n_candidates, block_size (0 = AR), max_new_tokens, lineage, verifier
+    reranker.json     kind, name, n_candidates, block_size (0 = AR), tau and spec_tau (diffusion), max_new_tokens,
+                      lineage, verifier
     model/            save_pretrained (safetensors) + gr2_model.json
     verifier/         (diffusion students from OPD on) the AR teacher, as model/: the "spec" decoder's verifier
     tokenizer/        the closed-vocabulary HF tokenizer
@@ -29,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from transformers import PreTrainedModel
 
+from gr2.config import DiffusionConfig
 from gr2.decode import TraceRule, ar_generate, diffusion_generate, spec_generate
 from gr2.evidence import Evidence
 from gr2.inference import CONFIG_FILE, DECODERS, ITEMS_FILE, RankRequest, RankResult, register_reranker
@@ -95,6 +97,10 @@ class GenerativeReranker:
         # The operating commit threshold (gr2/stages/train_stages.py convert): serving's default tau for this
         # model. None for AR models; 0.9 for diffusion bundles written before it was recorded.
         self.tau = None if self.block_size < 1 else float(config.get("tau", 0.9))
+        # The spec decoder's draft threshold (the same convert step): serving's default tau for spec requests.
+        self.spec_tau = (
+            None if self.block_size < 1 else float(config.get("spec_tau", DiffusionConfig.spec_tau))
+        )
         self.max_new_tokens = int(config["max_new_tokens"])
         self.batch_size = int(config.get("batch_size", 32))
         prompt = config.get("prompt", {})

@@ -96,6 +96,9 @@ class RerankPredictor(kserve.Model):
         tau = getattr(self.reranker, "tau", None)
         if tau is not None:  # a diffusion model's own operating point (its bundle's) is the default tau
             self.cfg = dataclasses.replace(self.cfg, default_tau=float(tau))
+        spec_tau = getattr(self.reranker, "spec_tau", None)
+        if spec_tau is not None:  # and its spec draft threshold the default tau of spec requests
+            self.cfg = dataclasses.replace(self.cfg, default_spec_tau=float(spec_tau))
         self.batcher = MicroBatcher(self.reranker.rank, self.cfg.max_batch, self.cfg.max_wait_ms)
         self.ready = True
         return self.ready

@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gr2.config import DiffusionConfig
 from gr2.inference import DECODERS, RankRequest, RankResult, Reranker
 
 INSTANCE_KEYS = {"user_id", "candidates", "history", "decoder", "tau", "trace"}
@@ -71,6 +72,7 @@ class ServeConfig:
     decoders: tuple[str, ...] = DECODERS
     default_decoder: str = "diffusion"
     default_tau: float = 0.9  # a diffusion model whose bundle names its operating tau serves at that instead
+    default_spec_tau: float = DiffusionConfig.spec_tau  # spec's draft tau; likewise the bundle's spec_tau
     min_tau: float = 0.05  # tau bounds: below this the diffusion decoder degenerates to one token per step
     max_tau: float = 1.0
 
@@ -86,6 +88,7 @@ class Options:
     decoder: str
     tau: float
     trace: bool
+    tau_given: bool = True  # False: no tau in the request, so each instance takes its own decoder's default
 
 
 def cut(text: str, limit: int) -> str:
@@ -137,11 +140,13 @@ def check_keys(raw: dict[str, Any], allowed: set[str], where: str) -> None:
 
 def parse_options(raw: dict[str, Any], where: str, cfg: ServeConfig, base: Options | None = None) -> Options:
     """decoder/tau/trace from `raw`, falling back to `base` (request parameters) then the config defaults."""
-    base = base or Options(cfg.default_decoder, cfg.default_tau, False)
+    base = base or Options(cfg.default_decoder, cfg.default_tau, False, tau_given=False)
     decoder = raw.get("decoder", base.decoder)
     if not isinstance(decoder, str) or decoder not in cfg.decoders:
         raise BadRequest(f"{where}.decoder: must be one of {list(cfg.decoders)}, got {shown(decoder)}")
-    tau = raw.get("tau", base.tau)
+    given = "tau" in raw or base.tau_given
+    default = cfg.default_spec_tau if decoder == "spec" else cfg.default_tau
+    tau = raw.get("tau", base.tau if base.tau_given else default)
     if isinstance(tau, bool) or not isinstance(tau, int | float) or not math.isfinite(tau):
         raise BadRequest(f"{where}.tau: must be a finite number, got {shown(tau)}")
     if not cfg.min_tau <= tau <= cfg.max_tau:
@@ -149,7 +154,7 @@ def parse_options(raw: dict[str, Any], where: str, cfg: ServeConfig, base: Optio
     trace = raw.get("trace", base.trace)
     if not isinstance(trace, bool):
         raise BadRequest(f"{where}.trace: must be true or false, got {shown(trace)}")
-    return Options(decoder, float(tau), trace)
+    return Options(decoder, float(tau), trace, given)
 
 
 def check_id(value: Any, where: str, cfg: ServeConfig) -> str:

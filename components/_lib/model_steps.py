@@ -68,7 +68,8 @@ def convert_cft(
     from gr2.stages.train_stages import bundle_meta, convert, train_cft
 
     prof = as_profile(profile)
-    naive = convert(bundle_dir(ar_dir), prof.diffusion.block_size, naive_dir, tau=prof.diffusion.eval_tau)
+    dc = prof.diffusion
+    naive = convert(bundle_dir(ar_dir), dc.block_size, naive_dir, tau=dc.eval_tau, spec_tau=dc.spec_tau)
     cft = train_cft(naive, SFTData.load(sft_dir), prof, cft_dir)
     return bundle_meta(cft)["train"]
 

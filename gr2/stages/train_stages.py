@@ -96,14 +96,27 @@ def train_ar_teacher(data: SFTData, profile: Profile, out_dir: str | Path, varia
 
 
 def convert(
-    ar_bundle: str | Path, block_size: int, out_dir: str | Path, name: str = "naive", tau: float = 0.9
+    ar_bundle: str | Path,
+    block_size: int,
+    out_dir: str | Path,
+    name: str = "naive",
+    tau: float = 0.9,
+    spec_tau: float = 0.4,
 ) -> Path:
     """Naive conversion (docs/PAPER.md, Conversion): copy every AR weight unchanged; only block size and mask token
-    change. `tau` is the students' operating commit threshold (diffusion.eval_tau: the one the gate judges), kept in
-    the bundle and every bundle trained from it: serving decodes at it unless a request names another."""
+    change. `tau` is the students' operating commit threshold (diffusion.eval_tau: the one the gate judges) and
+    `spec_tau` the spec decoder's draft threshold (diffusion.spec_tau), kept in the bundle and every bundle trained
+    from it: serving decodes at them unless a request names another tau."""
     model, tok, sids, ev, cfg = load_bundle_parts(ar_bundle)
     student = convert_to_diffusion(model, block_size, tok.mask_token_id)
-    meta = {**cfg, "name": name, "stage": "convert", "parent": str(ar_bundle), "tau": tau}
+    meta = {
+        **cfg,
+        "name": name,
+        "stage": "convert",
+        "parent": str(ar_bundle),
+        "tau": tau,
+        "spec_tau": spec_tau,
+    }
     meta["max_new_tokens"] = -(-cfg["max_new_tokens"] // block_size) * block_size + block_size
     return write_bundle(out_dir, student, tok, sids, ev, meta)
 

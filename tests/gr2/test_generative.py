@@ -35,7 +35,7 @@ OVERRIDES = {
         "log_every": 5,
     },
     "cft": {"lr": 0.01, "batch_size": 16, "max_steps": 6, "warmup": 1, "checkpoint_every": 3, "log_every": 3},
-    "diffusion": {"block_size": 4, "taus": [1.0, 0.5], "eval_tau": 0.5},
+    "diffusion": {"block_size": 4, "taus": [1.0, 0.5], "eval_tau": 0.5, "spec_tau": 0.5},
     "eval": {
         "batch_size": 16,
         "speed_examples": 2,
@@ -62,7 +62,8 @@ def pipeline(tmp_path_factory):
     data = prepare_sft(examples, ds, prof)
     data.save(root / "sft")
     ar = train_ar_teacher(SFTData.load(root / "sft"), prof, root / "ar")
-    naive = convert(ar, prof.diffusion.block_size, root / "naive", tau=prof.diffusion.eval_tau)
+    dc = prof.diffusion
+    naive = convert(ar, dc.block_size, root / "naive", tau=dc.eval_tau, spec_tau=dc.spec_tau)
     cft = train_cft(naive, data, prof, root / "cft")
     return {
         "prof": prof,
@@ -150,7 +151,10 @@ def test_cft_changes_weights_and_keeps_block_size(pipeline):
     assert cft.block_size == naive.block_size
     # the operating tau travels from the conversion to every student trained from it (serving's default)
     assert naive.tau == cft.tau == pipeline["prof"].diffusion.eval_tau == 0.5
-    assert load_reranker(pipeline["ar"]).tau is None
+    assert (
+        naive.spec_tau == cft.spec_tau == pipeline["prof"].diffusion.spec_tau == 0.5
+    )  # and spec's draft tau
+    assert load_reranker(pipeline["ar"]).tau is None and load_reranker(pipeline["ar"]).spec_tau is None
     assert any(
         not torch.equal(a, b) for a, b in zip(naive.model.parameters(), cft.model.parameters(), strict=True)
     )

@@ -235,3 +235,29 @@ def test_predictor_decodes_at_the_models_operating_tau_by_default():
     assert out["predictions"][0]["tau"] == 0.9 and seen == [0.6, 0.9]
     # a model without one (the floor, an AR model) keeps the configured default
     assert RerankPredictor("r", reranker=FloorReranker(n_candidates=4, items=["a"])).cfg.default_tau == 0.9
+
+
+def test_spec_requests_default_to_the_models_spec_tau():
+    """spec decodes AR's tokens at any draft tau, and its bundle records the one chosen for speed: a spec request
+    that names no tau (neither in the instance nor in the parameters) drafts at it; any named tau still wins."""
+    seen: list[tuple[str, float]] = []
+
+    class Student(FloorReranker):
+        tau, spec_tau = 0.6, 0.3
+
+        def rank(self, requests, decoder="diffusion", tau=0.9):
+            seen.extend((decoder, tau) for _ in requests)
+            return super().rank(requests, decoder, tau)
+
+    p = RerankPredictor("reranker", reranker=Student(n_candidates=4, items=["a", "b", "c"]))
+    inst = {"user_id": "u", "candidates": ["c", "a"]}
+    for body, want in [
+        ({"instances": [{**inst, "decoder": "spec"}, inst]}, [("spec", 0.3), ("diffusion", 0.6)]),
+        ({"instances": [inst], "parameters": {"decoder": "spec"}}, [("spec", 0.3)]),
+        ({"instances": [{**inst, "decoder": "spec"}], "parameters": {"tau": 0.5}}, [("spec", 0.5)]),
+        ({"instances": [{**inst, "decoder": "spec", "tau": 0.8}]}, [("spec", 0.8)]),
+    ]:
+        seen.clear()
+        out = asyncio.run(p.predict(body))
+        assert sorted(seen) == sorted(want), body
+        assert sorted((r["decoder"], r["tau"]) for r in out["predictions"]) == sorted(want)

@@ -517,7 +517,8 @@ class _RowsCache:
         self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, keep: int
     ) -> torch.Tensor:
         """The model's logits [B, keep, V] for ids [B, C] (mask, pos: the full batch's): the rows' own, and
-        zeros for the other rows (whose positions are all committed: the commit rule skips them)."""
+        zeros for the other rows (committed past position 0, whose logits are the anchor's: the round reads none
+        of their zeros)."""
         i = self.index
         out = model(
             input_ids=ids[i],

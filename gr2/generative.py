@@ -33,7 +33,15 @@ from transformers import PreTrainedModel
 from gr2.config import DiffusionConfig
 from gr2.decode import TraceRule, ar_generate, diffusion_generate, spec_generate
 from gr2.evidence import Evidence
-from gr2.inference import CONFIG_FILE, DECODERS, ITEMS_FILE, RankRequest, RankResult, register_reranker
+from gr2.inference import (
+    CONFIG_FILE,
+    DECODERS,
+    ITEMS_FILE,
+    VERIFIER_DIR,
+    RankRequest,
+    RankResult,
+    register_reranker,
+)
 from gr2.model import load_model, save_model
 from gr2.prompt import (
     ANSWER_HEAD,
@@ -48,7 +56,6 @@ from gr2.sid import SemanticIds
 from gr2.tokenizer import load_tokenizer
 
 KIND = "generative"
-VERIFIER_DIR = "verifier"  # the folder, and the reranker.json key naming it
 
 
 class Answer(NamedTuple):

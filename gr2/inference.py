@@ -21,6 +21,9 @@ from typing import Protocol, runtime_checkable
 
 CONFIG_FILE = "reranker.json"  # the one file every model directory has; `kind` selects the loader
 ITEMS_FILE = "items.txt"  # the item catalogue, one id per line (what `known_item` answers from)
+VERIFIER_DIR = (
+    "verifier"  # a generative bundle's spec verifier: the folder, and the reranker.json key naming it
+)
 DECODERS = ("diffusion", "ar", "spec")  # spec: lossless speculative decoding (gr2/decode.py spec_generate)
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from gr2.config import DiffusionConfig
-from gr2.generative import VERIFIER_DIR
+from gr2.inference import VERIFIER_DIR
 from gr2.report import git_sha
 from serving.schema import ServeConfig
 from serving.serve_local import free_port, running, wait_ready

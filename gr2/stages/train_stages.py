@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from gr2.config import Profile, TrainConfig
+from gr2.config import DiffusionConfig, Profile, TrainConfig
 from gr2.generative import GenerativeReranker, load_bundle_parts, save_bundle
 from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
 from gr2.model import add_lora, build_backbone, convert_to_diffusion, n_params
@@ -101,7 +101,7 @@ def convert(
     out_dir: str | Path,
     name: str = "naive",
     tau: float = 0.9,
-    spec_tau: float = 0.4,
+    spec_tau: float = DiffusionConfig.spec_tau,
 ) -> Path:
     """Naive conversion (docs/PAPER.md, Conversion): copy every AR weight unchanged; only block size and mask token
     change. `tau` is the students' operating commit threshold (diffusion.eval_tau: the one the gate judges) and

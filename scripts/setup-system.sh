@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one set-up step for what the Makefile's targets need besides .venv (Python packages come from the lock).
 #
-#   scripts/setup-system.sh test         # make test: the Prometheus server and Chromium (headless)
+#   scripts/setup-system.sh test         # make test: the Prometheus server
 #   scripts/setup-system.sh containers   # make images / make test-containers: podman, buildah, runc, debootstrap
 #
 # `make test`, `make test-containers` and .ci/run call it, so a newcomer and CI install the same things the same
@@ -12,7 +12,7 @@
 set -euo pipefail
 
 # group -> "command:apt-package" pairs (the command proves the package is installed)
-need_test=("prometheus:prometheus" "chromium:chromium")
+need_test=("prometheus:prometheus")
 need_containers=("podman:podman" "buildah:buildah" "runc:runc" "debootstrap:debootstrap" "newuidmap:uidmap"
   "slirp4netns:slirp4netns" "fuse-overlayfs:fuse-overlayfs")
 

@@ -32,7 +32,7 @@ from gr2.config import DiffusionConfig
 from gr2.inference import VERIFIER_DIR
 from gr2.report import git_sha
 from serving.schema import ServeConfig
-from serving.serve_local import free_port, running, wait_ready
+from serving.serve_local import running, wait_ready
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -193,7 +193,7 @@ def _server(a: argparse.Namespace, model_uri: str | None) -> Iterator[str]:
         yield a.url
         return
     args = ["--role", "predictor", "--model_uri", model_uri, "--model_name", a.model_name]
-    args += ["--port", str(free_port()), "--max_batch", str(a.max_batch), "--max_wait_ms", str(a.max_wait_ms)]
+    args += ["--max_batch", str(a.max_batch), "--max_wait_ms", str(a.max_wait_ms)]
     with running(args, a.model_name) as url:
         yield url
 

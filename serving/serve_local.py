@@ -21,10 +21,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from serving.schema import ServeConfig
@@ -49,32 +50,82 @@ def wait_ready(url: str, timeout_s: float = 60.0, proc: subprocess.Popen | None 
 
 
 def free_port() -> int:
-    """A free TCP port on the loopback interface."""
+    """A free TCP port on the loopback interface. Another process may take it before the caller binds it:
+    start servers with `start_server`, which retries that race on a new port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def stop(proc: subprocess.Popen, grace_s: float = 60.0) -> int:
+    """Stop a server process: SIGTERM, up to `grace_s` for its graceful shutdown (a busy machine can take
+    long), then SIGKILL. Returns its exit status. Never raises because shutdown was slow."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+ADDRESS_IN_USE = (
+    "address already in use"  # uvicorn, Python's socket, Go (Prometheus) all say this on a taken port
+)
+
+
+def start_server(
+    command: Callable[[int], list[str]],
+    ready_url: Callable[[int], str],
+    log: Path,
+    *,
+    timeout_s: float = 600.0,
+    attempts: int = 5,
+    cwd: str | Path | None = None,
+) -> tuple[subprocess.Popen, int]:
+    """Start `command(port)` on a free loopback port and wait until `ready_url(port)` answers 200; returns the
+    process and its port. Output goes to `log`. A server that exits because its port was taken between
+    `free_port()` and its bind (another process won the race) is started again on a new port. The readiness
+    wait is long because it ends as soon as the process dies, and a busy machine starts servers slowly."""
+    for attempt in range(1, attempts + 1):
+        port = free_port()
+        with open(log, "w") as out:
+            proc = subprocess.Popen(command(port), stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
+        try:
+            wait_ready(ready_url(port), timeout_s=timeout_s, proc=proc)
+            return proc, port
+        except RuntimeError:  # exited before it was ready
+            if attempt < attempts and ADDRESS_IN_USE in log.read_text(errors="replace").lower():
+                log.rename(log.with_name(f"{log.name}.port-taken-{attempt}"))  # kept: the retry is visible
+                continue
+            raise RuntimeError(
+                f"{log.read_text(errors='replace')[-2000:]}\nserver failed: see {log}"
+            ) from None
+        except BaseException:
+            stop(proc)
+            raise
+    raise AssertionError("unreachable")
+
+
 @contextlib.contextmanager
 def running(args: list[str], model_name: str, log: Path | None = None) -> Iterator[str]:
-    """Run `python -m serving.serve_local <args>` (args must set --port) until the block exits; yields its URL
-    once /v1/models/<model_name> answers. Output goes to `log` (or is discarded)."""
-    port = args[args.index("--port") + 1]
-    out = open(log, "w") if log else None  # noqa: SIM115 (closed in finally)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "serving.serve_local", *args],
-        stdout=subprocess.DEVNULL if out is None else out,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(f"{url}/v1/models/{model_name}", timeout_s=300, proc=proc)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
-        if out is not None:
-            out.close()
+    """Run `python -m serving.serve_local <args> --port P` (and, in role `all`, `--predictor_port Q`) on free
+    loopback ports until the block exits; yields its URL once /v1/models/<model_name> answers. Output goes to
+    `log` (or a temporary file)."""
+    role = args[args.index("--role") + 1] if "--role" in args else "all"
+
+    def command(port: int) -> list[str]:
+        ports = ["--port", str(port)] + (["--predictor_port", str(free_port())] if role == "all" else [])
+        return [sys.executable, "-m", "serving.serve_local", *args, *ports]
+
+    with contextlib.ExitStack() as stack:
+        if log is None:
+            log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "server.log"
+        proc, port = start_server(command, lambda p: f"http://127.0.0.1:{p}/v1/models/{model_name}", log)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            stop(proc)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -218,12 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         died = child.poll() is not None
         stopping.set()
-        child.terminate()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        stop(child, grace_s=10)
     if died:
         sys.exit(f"the predictor exited with {child.returncode}")
 

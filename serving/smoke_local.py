@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from serving.serve_local import free_port, running
+from serving.serve_local import running
 
 MODEL_NAME = "reranker"
 
@@ -50,7 +50,6 @@ def smoke(
     """Serve `model_uri` behind the Feast transformer, send real requests, stop. Raises if the server never
     became ready; request failures are counted in the summary, not raised (the report shows them)."""
     args = ["--model_uri", str(model_uri), "--feast_repo", str(feast_repo)]
-    args += ["--port", str(free_port()), "--predictor_port", str(free_port())]
     with running(args, MODEL_NAME, log) as url:
         insts = _instances(examples, n_requests)
         lat, preds, codes = [], [], []

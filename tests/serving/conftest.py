@@ -13,13 +13,24 @@ import pandas as pd
 import pytest
 
 from gr2.inference import FloorReranker
-from serving.serve_local import free_port, wait_ready
+from serving.serve_local import start_server, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data" / "ml-latest-small"
 N_USERS = 200
 H = 20
 MODEL = "reranker"
+
+
+# The fixtures below that run server processes: a test that uses one (directly or through another fixture)
+# is a `server` test, which `make test-fast` leaves out.
+SERVER_FIXTURES = {"predictor", "transformer", "server", "edge", "revisions", "prometheus"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)
 
 
 def load_ml_slice() -> dict:
@@ -45,7 +56,8 @@ def model_dir(ml_slice, tmp_path_factory):
     )
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen:
+def spawn(args: list[str], log: Path) -> subprocess.Popen:
+    """`python -m serving.serve_local <args>`, not waited for."""
     return subprocess.Popen(
         [sys.executable, "-m", "serving.serve_local", *args],
         cwd=ROOT,
@@ -54,19 +66,21 @@ def start(args: list[str], log: Path) -> subprocess.Popen:
     )
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def start(args: list[str], log: Path) -> tuple[subprocess.Popen, int]:
+    """`python -m serving.serve_local <args> --port P` on a free port (retried if another process takes it),
+    once /v1/models/<MODEL> answers."""
+    return start_server(
+        lambda port: [sys.executable, "-m", "serving.serve_local", *args, "--port", str(port)],
+        lambda port: f"http://127.0.0.1:{port}/v1/models/{MODEL}",
+        log,
+        cwd=ROOT,
+    )
 
 
 @pytest.fixture(scope="session")
 def predictor(model_dir, tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("logs") / "predictor.log"
-    proc = start(["--role", "predictor", "--model_uri", str(model_dir), "--port", str(port)], log)
+    proc, port = start(["--role", "predictor", "--model_uri", str(model_dir)], log)
     yield {"url": f"http://127.0.0.1:{port}", "port": port, "proc": proc, "log": log}
     stop(proc)
 
@@ -139,23 +153,9 @@ def feast_repo(ml_slice, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def transformer(predictor, feast_repo, tmp_path_factory):
-    wait_ready(f"{predictor['url']}/v1/models/{MODEL}", proc=predictor["proc"])
-    port = free_port()
     log = tmp_path_factory.mktemp("logs") / "transformer.log"
-    proc = start(
-        [
-            "--role",
-            "transformer",
-            "--predictor_host",
-            f"127.0.0.1:{predictor['port']}",
-            "--feast_repo",
-            str(feast_repo),
-            "--port",
-            str(port),
-        ],
-        log,
-    )
-    wait_ready(f"http://127.0.0.1:{port}/v1/models/{MODEL}", timeout_s=300, proc=proc)
+    args = ["--role", "transformer", "--predictor_host", f"127.0.0.1:{predictor['port']}"]
+    proc, port = start([*args, "--feast_repo", str(feast_repo)], log)
     yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "log": log}
     stop(proc)
 
@@ -169,6 +169,5 @@ def items(ml_slice):
 def server(request, predictor):
     """Each test runs against the predictor alone and against the transformer in front of it."""
     if request.param == "predictor":
-        wait_ready(f"{predictor['url']}/v1/models/{MODEL}", timeout_s=180, proc=predictor["proc"])
         return {"name": "predictor", **predictor}
     return {"name": "transformer", **request.getfixturevalue("transformer")}

@@ -13,7 +13,6 @@ machine is, and one scenario's requests never count in the next one's window.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 import time
 
@@ -28,8 +27,8 @@ from components.artifact_store import ArtifactStore, LocalBackend
 from gr2.config import CanaryConfig
 from serving.canary import REVISION_LABEL, agreement, analyze, check_steps, judge, probe_failures, probe_set
 from serving.rollout import FIELD_MANAGER, KserveKube, rollout
-from serving.serve_local import free_port, wait_ready
-from tests.serving.conftest import MODEL, ROOT, stop
+from serving.serve_local import start_server, stop
+from tests.serving.conftest import MODEL, ROOT
 from tests.serving.fake_kube import APPLY, FakeApi
 
 OVERLAY = ROOT / "manifests" / "overlays" / "prod"
@@ -48,18 +47,17 @@ def revisions(predictor, model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("canary")
     fault_file = tmp / "fault"
     fault_file.write_text("none")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.serving.canary_server", "--model_dir", str(model_dir)]
-        + ["--port", str(port), "--fault_file", str(fault_file)],
+    proc, port = start_server(
+        lambda port: (
+            [sys.executable, "-m", "tests.serving.canary_server", "--model_dir", str(model_dir)]
+            + ["--port", str(port), "--fault_file", str(fault_file)]
+        ),
+        lambda port: f"http://127.0.0.1:{port}/v1/models/{MODEL}",
+        tmp / "canary.log",
         cwd=ROOT,
-        stdout=(tmp / "canary.log").open("w"),
-        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(f"{predictor['url']}/v1/models/{MODEL}", timeout_s=300, proc=predictor["proc"])
-        wait_ready(f"{url}/v1/models/{MODEL}", timeout_s=300, proc=proc)
         yield {"stable": (STABLE, predictor["url"]), "canary": (CANARY, url), "fault_file": fault_file}
     finally:
         stop(proc)
@@ -69,7 +67,9 @@ def revisions(predictor, model_dir, tmp_path_factory):
 def prometheus(revisions, tmp_path_factory):
     """The real Prometheus server, scraping every revision each second, its revision label set per target."""
     binary = shutil.which("prometheus")
-    assert binary, "the prometheus server is not installed: `apt-get install prometheus` (.ci/run does)"
+    assert binary, (
+        "the prometheus server is not installed: `make setup-test` installs it (scripts/setup-system.sh)"
+    )
     tmp = tmp_path_factory.mktemp("prometheus")
     targets = [
         {"targets": [url.removeprefix("http://")], "labels": {REVISION_LABEL: rev}}
@@ -80,21 +80,19 @@ def prometheus(revisions, tmp_path_factory):
         "scrape_configs": [{"job_name": "gr2", "static_configs": targets}],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    proc = subprocess.Popen(
-        [
+    proc, port = start_server(
+        lambda port: [
             binary,
             f"--config.file={tmp / 'prometheus.yml'}",
             f"--storage.tsdb.path={tmp / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
             "--log.level=warn",
         ],
-        stdout=(tmp / "prometheus.log").open("w"),
-        stderr=subprocess.STDOUT,
+        lambda port: f"http://127.0.0.1:{port}/-/ready",
+        tmp / "prometheus.log",
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(f"{url}/-/ready", timeout_s=60, proc=proc)
         deadline = time.monotonic() + 60  # every target scraped and up at least once
         while time.monotonic() < deadline:
             r = httpx.get(f"{url}/api/v1/query", params={"query": "count(up == 1)"}).json()["data"]["result"]

@@ -107,7 +107,8 @@ class DiffusionConfig:
     taus: tuple[float, ...] = (1.0, 0.9, 0.6, 0.4)
     eval_tau: float = 0.9
     # The spec decoder's draft threshold. spec's output is AR's whatever the draft (gr2/decode.py spec_generate), so
-    # this only trades draft forwards against verifier forwards: chosen on validation speed (README: spec).
+    # this only trades draft forwards against verifier forwards: chosen on validation speed (docs/RESULTS.md,
+    # 'The spec draft tau').
     spec_tau: float = 0.4
     noise_eps: float = 1e-3  # CFT noise level t ~ U(noise_eps, 1] per block (bounds the 1/t weight)
     complementary: bool = True  # CFT: second view masks exactly the complement (Fast-dLLM v2)
@@ -117,7 +118,8 @@ class DiffusionConfig:
     # see gr2/stages/train_stages.py teacher_records), "sft" = the SFT responses themselves (the reasoning teacher's trace and answer, per teacher.answer).
     cft_targets: str = "teacher"
     # CFT certainty forcing (dParallel): + this weight * entropy at masked positions the student already predicts
-    # right (gr2/losses.py _masked_ce): more positions clear tau per round (README has the measurement).
+    # right (gr2/losses.py _masked_ce): more positions clear tau per round (docs/RESULTS.md, 'Certainty forcing
+    # and teacher targets in CFT').
     certainty_weight: float = 1.0
 
 
@@ -158,14 +160,15 @@ class PromptConfig:
         8  # the trace's per-candidate score levels <score_0> .. <score_{L-1}> (gr2/teacher.py)
     )
     # Semantic IDs shown in the prompt: "none" (labels and evidence buckets only), "candidates" (+ each
-    # candidate's SID), "all" (+ the history's SIDs). Chosen on validation (README: closing the distillation gap).
+    # candidate's SID), "all" (+ the history's SIDs). Chosen on validation (docs/RESULTS.md, 'The SFT recipe').
     item_tokens: str = "none"
     # Decode the answer as a permutation: every decoder writes each candidate's label at most once (gr2/decode.py
-    # `unique`). Without it parallel decoding writes one label at two ranks of one block (README: validity).
+    # `unique`). Without it parallel decoding writes one label at two ranks of one block (docs/RESULTS.md, 'The
+    # permutation rule').
     unique_labels: bool = True
     # The answer follows the trace: once the trace is written, the answer's k-th label must be a candidate with
     # the trace's k-th highest score level (gr2/decode.py `answer_slots`; needs unique_labels). Every decoder, RL's
-    # sampler and its replay apply it. Chosen on validation (README: answers that follow their trace).
+    # sampler and its replay apply it. Chosen on validation (docs/RESULTS.md, 'Answers that follow their trace').
     follow_trace: bool = True
 
 
@@ -176,11 +179,12 @@ class TeacherConfig:
     # The SFT answer: "teacher" = the teacher's own ranking (distillation: the answer orders the trace's
     # verdicts), "label" = the held-out item first, then the teacher's order, "levels" = by the trace's levels,
     # ties in retriever order (the answer a function of the trace). Chosen on validation on two datasets
-    # (README: closing the distillation gap); RL then trains on the held-out items' reward.
+    # (docs/RESULTS.md, 'The SFT recipe' and 'Tokens per forward and block size'); RL then trains on the
+    # held-out items' reward.
     answer: str = "teacher"
     # What the teacher reads: "buckets", each feature's prompt bucket (gr2/teacher.py), so that the trace is a
     # function of the prompt the student sees, or the "raw" evidence. Chosen on validation on two datasets
-    # (README: a trace the student can compute).
+    # (docs/RESULTS.md, 'A trace the student can compute').
     inputs: str = "buckets"
 
 
@@ -193,7 +197,7 @@ class EvalConfig:
     threads: int = 2  # torch threads while timing (the same for every decoder)
     # Every speed plan runs this many times, interleaved (AR, then each diffusion plan, then again); a row's
     # speedup is the geometric mean over the repeats with a 95% interval, whose lower bound the gate reads (more
-    # repeats, a narrower interval; README, "Where it stands", has the measured widths).
+    # repeats, a narrower interval; docs/RESULTS.md, 'Timing noise and speed repeats', has the widths).
     speed_repeats: int = 10
 
 
@@ -235,7 +239,7 @@ class RLConfig:
     # is the retriever's first candidate, and AR RL learned to put A on top far more often than SFT did, a prior
     # that helps or hurts with the split's share of lists whose held-out item is first (the GR2 TR's
     # "position-bias hacking"). Shuffled, the letter carries no position. Off in the bench profile: it removed
-    # the drift but did not make `ar` beat `ar_sft` on test (README, "AR RL", has the measurements).
+    # the drift but did not make `ar` beat `ar_sft` on test (docs/RESULTS.md, 'AR RL', has the measurements).
     shuffle_candidates: bool = False
     lr: float = 1e-5  # constant; the paper's 8B value (docs/PAPER.md, RL) scaled up for the tiny models
     steps: int = 30
@@ -251,7 +255,7 @@ class RLConfig:
     # Validation lists (seeded sample of split "val"; 0 = no check) on which the RL weights must score at least
     # the parent's recall@1 (greedy, tau as above) to replace them; otherwise the stage keeps the parent's weights
     # and says so in its bundle metadata ("validation"). RL that raises the training reward can lower recall on
-    # lists it never saw (README: RL).
+    # lists it never saw (docs/RESULTS.md, 'AR RL').
     val_lists: int = 500
 
 

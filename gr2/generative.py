@@ -242,9 +242,9 @@ class GenerativeReranker:
         self, chunk: list[list[int]], decoder: str, tau: float
     ) -> tuple[torch.Tensor, int, int]:
         """One decode call -> (tokens, nfe, verifier nfe). `decode` runs it under torch.inference_mode: no
-        autograd version tracking per op, a share of every small op's cost at batch 1 (README: Where it stands). Only
-        evaluation and serving decode here; RL and OPD, which train on what they decode, call the decoders
-        directly (an inference-mode tensor cannot be saved for backward)."""
+        autograd version tracking per op, a share of every small op's cost at batch 1 (docs/RESULTS.md, 'Timing
+        noise and speed repeats'). Only evaluation and serving decode here; RL and OPD, which train on what they
+        decode, call the decoders directly (an inference-mode tensor cannot be saved for backward)."""
         eos = self.tokenizer.eos_token_id
         if decoder == "ar":
             toks, n = ar_generate(

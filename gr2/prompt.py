@@ -79,7 +79,7 @@ def render_trace(score_levels: Sequence[int]) -> str:
 
     Why this trace: scoring a candidate only needs that candidate's own evidence (a local computation), and the
     answer then orders explicit score tokens. Without the trace the answer's first token has to score and
-    compare all N candidates at once (README: what the trace buys)."""
+    compare all N candidates at once (docs/RESULTS.md, 'What the trace buys')."""
     return " ".join(f"{label_token(i)} {score_token(level)}" for i, level in enumerate(score_levels))
 
 

@@ -15,8 +15,8 @@ TRAINING lists. It writes every SFT target:
 
 The trace never depends on the held-out item: it carries what the evidence says. GR2's rejection sampling
 (sample rankings until one puts the held-out item first, then explain that one) dropped the lists the teacher
-gets wrong, and its trace named the answer before the answer did (README: "closing the distillation gap" has
-the measurements).
+gets wrong, and its trace named the answer before the answer did (docs/RESULTS.md, 'The SFT recipe', has the
+measurements).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _expand(x: np.ndarray) -> np.ndarray:
 def score_quantiles(levels: int) -> np.ndarray:
     """Quantiles of the training candidates' scores that separate the trace's score levels: equal-count levels.
     Recall@1 is decided at every level, not only at the top: in lists with weak evidence every candidate scores
-    low, and the best of them must still stand out from the rest (README: "the trace's resolution")."""
+    low, and the best of them must still stand out from the rest (docs/RESULTS.md, 'Trace levels')."""
     return np.arange(1, max(levels, 1)) / max(levels, 1)
 
 
@@ -84,7 +84,8 @@ class Teacher:
 
     With `bucket_edges` (TeacherConfig.inputs "buckets") x_c is not the raw evidence but what the prompt shows of
     it: each feature's bucket, read as the bucket's mean training value. The trace's levels are then a function
-    of the prompt's tokens alone, which a student can learn exactly (README: a trace the student can compute)."""
+    of the prompt's tokens alone, which a student can learn exactly (docs/RESULTS.md, 'A trace the student can
+    compute')."""
 
     weights: np.ndarray  # [E]
     mean: np.ndarray  # [E]

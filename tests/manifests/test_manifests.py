@@ -307,7 +307,7 @@ def test_kustomize_merge_keys_are_kubernetes_own():
 
 
 def test_istio_policy_example_is_documented_and_not_rendered(rendered):
-    path = ROOT.parent / "docs" / "istio-authorizationpolicy.yaml"
+    path = ROOT / "examples" / "istio-authorizationpolicy.yaml"
     policy = yaml.safe_load(path.read_text())
     assert (policy["apiVersion"], policy["kind"]) == ("security.istio.io/v1", "AuthorizationPolicy")
     s = isvc(rendered["prod"])
@@ -322,4 +322,7 @@ def test_istio_policy_example_is_documented_and_not_rendered(rendered):
         "/metrics",
     }
     assert "AuthorizationPolicy" not in {d["kind"] for o in OVERLAYS for d in rendered[o]}
-    assert "docs/istio-authorizationpolicy.yaml" in (ROOT.parent / "README.md").read_text()
+    assert (
+        "manifests/examples/istio-authorizationpolicy.yaml"
+        in (ROOT.parent / "docs" / "OPERATIONS.md").read_text()
+    )

@@ -285,7 +285,7 @@ def load_model(
     )
     meta_path = path / META_FILE
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps .to with functools.wraps, typed as if self were the device
+    model.to(device).eval()
     return model, meta
 
 

@@ -52,6 +52,7 @@ def _assert_same_weights(model: torch.nn.Module, final_dir: Path) -> None:
         assert torch.allclose(state[name], w, atol=1e-5, rtol=0), name
 
 
+@pytest.mark.slow  # two gloo processes, each importing torch and transformers
 def test_two_processes_match_one_process_at_the_same_global_batch(two_procs, tmp_path):
     torch.set_num_threads(1)
     one = toy_model()
@@ -68,6 +69,7 @@ def test_two_processes_match_one_process_at_the_same_global_batch(two_procs, tmp
     assert diff > 1e-3
 
 
+@pytest.mark.slow  # reads the two-process run above
 def test_checkpoint_from_two_processes_resumes_in_one(two_procs, tmp_path):
     torch.set_num_threads(1)
     ckpt = latest_checkpoint(two_procs / "cft")

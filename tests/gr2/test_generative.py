@@ -256,6 +256,7 @@ def test_evaluate_rows_and_speed(pipeline):
     assert rows[0]["speedup_vs_ar"] == 1.0 and rows[2]["nfe_per_seq"] == speed[1]["nfe_per_seq"]
 
 
+@pytest.mark.slow  # two torchrun processes, each importing torch and transformers
 def test_sft_step_in_two_processes_through_torchrun(pipeline, tmp_path):
     """The SFT step itself (components/_lib/model_steps.train_ar) run by run_step in 2 gloo processes: one bundle
     (written by rank 0), a log of global steps, a checkpoint with both ranks' RNG state."""

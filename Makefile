@@ -100,8 +100,10 @@ loadtest: install ## AR vs diffusion load test over HTTP on 127.0.0.1 -> benchma
 # Images: <registry>/gr2, gr2-train-gpu, gr2-serve, tagged with the git sha (what `make compile` names).
 TAG ?= $(shell git rev-parse --short HEAD)
 REGISTRY ?= ghcr.io/diffusion-gr2
+# IMAGES_REPORT=benchmarks/images.md: also add this build's time and size per image to that report.
 images: ## build the three images with docker or podman, tagged with the git sha (images/README.md: platform use)
-	REGISTRY=$(REGISTRY) TAG=$(TAG) FIND_LINKS=$(FIND_LINKS) scripts/images.sh
+	REGISTRY=$(REGISTRY) TAG=$(TAG) FIND_LINKS=$(FIND_LINKS) IMAGES_REPORT=$(IMAGES_REPORT) \
+	  IMAGES_COMMAND="make images$(if $(IMAGES_REPORT), IMAGES_REPORT=$(IMAGES_REPORT))" scripts/images.sh
 
 # Its own target, not part of `make test`: podman (scripts/setup-system.sh containers) first, so a machine that
 # cannot run containers stops in seconds; then the images (from the build cache when unchanged) and the tests

@@ -99,6 +99,13 @@ def _docker_host(url: str) -> Iterator[None]:
             os.environ["DOCKER_HOST"] = old
 
 
+def engine(client) -> str:
+    """The CLI of the engine behind the Docker API `client` talks to: `podman` for podman's service (which calls
+    itself "Podman Engine"), else `docker`. scripts/images.sh tells them apart the same way."""
+    names = [c.get("Name", "") for c in client.version().get("Components", [])]
+    return "podman" if any("podman" in n.lower() for n in names) else "docker"
+
+
 def require_images(refs: list[str]) -> dict[str, dict]:
     """Each image's configuration ({"User", "Entrypoint", ...}); a clear error naming `make images` when one is
     missing (kfp.local would try to pull it from a registry instead)."""

@@ -22,7 +22,9 @@ load0=$(cut -d" " -f1-3 /proc/loadavg)
 [ ${#roles[@]} -gt 0 ] || roles=(data train-gpu serve)
 
 if [ -z "${ENGINE:-}" ]; then
-  if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then ENGINE=docker; else ENGINE=podman; fi
+  # a Docker daemon, not podman's Docker-compatible service (which names itself "Podman Engine")
+  server=$(docker version --format '{{range .Server.Components}}{{.Name}} {{end}}' 2>/dev/null || true)
+  if [ -n "$server" ] && [[ $server != *Podman* ]]; then ENGINE=docker; else ENGINE=podman; fi
 fi
 [ "$ENGINE" = docker ] || scripts/setup-system.sh containers
 
@@ -32,7 +34,9 @@ if [ -z "${BASE_IMAGE:-}" ]; then
     BASE_IMAGE=$PYTHON_BASE
   else
     echo "images: $PYTHON_BASE cannot be pulled here; using the local Debian 12 base (scripts/base-image.sh)"
+    t0=$(date +%s)
     BASE_IMAGE=$(scripts/base-image.sh "$ENGINE")
+    base_secs=$(($(date +%s) - t0))
   fi
 fi
 args+=(--build-arg "BASE_IMAGE=$BASE_IMAGE")
@@ -72,15 +76,17 @@ for role in "${roles[@]}"; do
   rows+=("| $role | \`$ref\` | $secs | $(python3 -c "print(f'{$bytes / 1e9:.2f}')") |")
 done
 
-if [ -n "${IMAGES_REPORT:-}" ]; then
+if [ -n "${IMAGES_REPORT:-}" ]; then  # one section per run, appended
   {
-    echo "# Image builds"
+    [ -s "$IMAGES_REPORT" ] || printf '# Image builds\n\nOne section per `make images` run (scripts/images.sh): each image'"'"'s build wall time and its size as the engine reports it (uncompressed).\n'
     echo
-    echo "Command: \`${IMAGES_COMMAND:-make images}\` ($ENGINE $("$ENGINE" version --format '{{.Client.Version}}' 2>/dev/null), base \`$BASE_IMAGE\`)."
+    echo "## \`${IMAGES_COMMAND:-scripts/images.sh}\` at $(git rev-parse --short HEAD), $(date -u '+%Y-%m-%d %H:%M') UTC"
+    echo
+    echo "$ENGINE $("$ENGINE" version --format '{{.Client.Version}}' 2>/dev/null); base \`$BASE_IMAGE\`${base_secs:+ (scripts/base-image.sh: $base_secs s)}."
     echo "Machine: $(nproc) cores ($(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1)), load average at the start: $load0."
     echo
     echo "| image | reference | build s | size GB |"
     echo "|---|---|---|---|"
     printf '%s\n' "${rows[@]}"
-  } >"$IMAGES_REPORT"
+  } >>"$IMAGES_REPORT"
 fi

@@ -63,18 +63,29 @@ def dag(images, tmp_path_factory) -> dict:
     ]
     args += ["--bounds-json", json.dumps(SLICE_BOUNDS), "--no-serve-smoke"]
     procs = {}
-    for runner in ("docker", "subprocess"):
-        log = root / f"{runner}.log"
-        with log.open("w") as f:
-            cmd = [sys.executable, "-m", "pipelines.run_local", *args, "--runner", runner, "--run-id", runner]
-            procs[runner] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), log)
-    for runner, (proc, log) in procs.items():
-        try:
+    try:
+        for runner in ("docker", "subprocess"):
+            log = root / f"{runner}.log"
+            with log.open("w") as f:
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "pipelines.run_local",
+                    *args,
+                    "--runner",
+                    runner,
+                    "--run-id",
+                    runner,
+                ]
+                procs[runner] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), log)
+        for runner, (proc, log) in procs.items():
             rc = proc.wait(timeout=3600)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-        assert rc == 0, f"run_local --runner {runner} exited {rc}:\n{log.read_text()[-6000:]}"
+            assert rc == 0, f"run_local --runner {runner} exited {rc}:\n{log.read_text()[-6000:]}"
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return {
         "data": data,
         **{runner: root / runner for runner in procs},

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import httpx
 import pytest
 
 from manifests.kustomize import build
+from pipelines.containers import engine
 from serving.smoke_local import instances, probe, v2_body
 from tests.containers.kube import run_spec
 from tests.containers.support import bundle_named, run_output
@@ -64,12 +66,14 @@ def served(isvc, images, docker_client, dag, tmp_path_factory):
     """The feature server, the predictor and the transformer, started as above; stopped and removed after."""
     run = dag["docker"]
     name = isvc["metadata"]["name"]
+    cli = engine(docker_client)
     started = []
 
-    def start(**kwargs):
-        c = docker_client.containers.run(detach=True, **kwargs)
-        started.append(c)
-        return c
+    def start(argv: list[str]):
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"{argv}: {r.stderr}"
+        started.append(docker_client.containers.get(r.stdout.strip().splitlines()[-1]))
+        return started[-1]
 
     try:
         # The run's registry and online store where the image's feature_store.yaml expects them (data/...).
@@ -77,29 +81,19 @@ def served(isvc, images, docker_client, dag, tmp_path_factory):
         store.mkdir()
         for f in ("registry.db", "online_store.db"):
             shutil.copy(run_output(run, "materialize/feature_store") / f, store / f)
-        shutil.chown(store, 10001, 10001)
-        for f in store.iterdir():
-            shutil.chown(f, 10001, 10001)
+        for p in (store, *store.iterdir()):
+            shutil.chown(p, 10001, 10001)
         feast = start(
-            image=images["serve"],
-            entrypoint=["feast"],
-            command=["-c", "/app/feature_repo", "serve", "-h", "0.0.0.0", "-p", str(FEAST_PORT)],
-            volumes={str(store): {"bind": "/app/feature_repo/data", "mode": "rw"}},
+            [cli, "run", "--detach", "--volume", f"{store}:/app/feature_repo/data", "--entrypoint", "feast"]
+            + [images["serve"], "-c", "/app/feature_repo", "serve", "-h", "0.0.0.0", "-p", str(FEAST_PORT)]
         )
         wait_200(f"http://{address(feast)}:{FEAST_PORT}/health", feast, "feast serve")
 
         spec = isvc["spec"]
-        p = spec["predictor"]
-        [pc] = p["containers"]
-        pspec = run_spec(
-            pc, p.get("volumes", []), images["serve"], ["--model_name", name, "--http_port", "8080"]
-        )
-        pred = start(
-            **pspec.kwargs,
-            volumes={str(bundle_named(run, "rl")): {"bind": "/mnt/models", "mode": "ro"}},
-        )
-        t = spec["transformer"]
-        [tc] = t["containers"]
+        [pc], [tc] = spec["predictor"]["containers"], spec["transformer"]["containers"]
+        kserve = ["--model_name", name, "--http_port", "8080"]
+        pspec = run_spec(pc, spec["predictor"].get("volumes", []), images["serve"], kserve)
+        pred = start(pspec.argv(cli, "--volume", f"{bundle_named(run, 'rl')}:/mnt/models:ro"))
         kserve = [
             "--model_name",
             name,
@@ -108,8 +102,8 @@ def served(isvc, images, docker_client, dag, tmp_path_factory):
             "--http_port",
             "8080",
         ]
-        tspec = run_spec(tc, t.get("volumes", []), images["serve"], kserve)
-        trans = start(**tspec.kwargs, extra_hosts={"feast-feature-server": address(feast)})
+        tspec = run_spec(tc, spec["transformer"].get("volumes", []), images["serve"], kserve)
+        trans = start(tspec.argv(cli, "--add-host", f"feast-feature-server:{address(feast)}"))
         out = {}
         for role, c, s in (("predictor", pred, pspec), ("transformer", trans, tspec)):
             wait_200(f"http://{address(c)}:{s.readiness.port}{s.readiness.path}", c, role)
@@ -117,10 +111,7 @@ def served(isvc, images, docker_client, dag, tmp_path_factory):
         yield {**out, "name": name, "examples": run_output(run, "candidates/examples"), "rendered": isvc}
     finally:
         for c in reversed(started):
-            try:
-                c.stop(timeout=10)
-            finally:
-                c.remove(force=True)
+            c.remove(force=True)
 
 
 def test_probes_answer_200(served):

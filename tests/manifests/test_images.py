@@ -259,3 +259,25 @@ def test_image_install_resolves_against_the_lock(image, tmp_path):
     assert want <= set(resolved), want - set(resolved)
     if image != "serve":
         assert "kserve" not in resolved  # each image carries only its own extras
+
+
+def test_role_requirements_are_pyprojects_core_and_extras(tmp_path):
+    """images/requirements.py (the images' dependency layer): the core dependencies and each named extra's, once
+    each; an unknown extra is named."""
+    import sys
+    import tomllib
+
+    script = ROOT / "images" / "requirements.py"
+    r = subprocess.run(
+        [sys.executable, str(script), "serving", "features"], cwd=ROOT, capture_output=True, text=True
+    )
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    want = list(dict.fromkeys(project["dependencies"] + extras["serving"] + extras["features"]))
+    assert (
+        r.returncode == 0
+        and r.stdout.split() == want
+        and len(want) < len(project["dependencies"] + extras["serving"] + extras["features"])
+    )  # feast is in both extras: listed once
+    r = subprocess.run([sys.executable, str(script), "gpu"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and "no extra ['gpu']" in r.stderr

@@ -144,9 +144,14 @@ def docker_runner(pipeline_root: Path, dataset: str) -> Iterator[tuple[Any, str]
     if Path(dataset).exists():
         dataset = str(Path(dataset).resolve())
         mounts.append(dataset)
-    elif data_root().is_dir():
+    elif (data_root() / dataset).is_dir():
         env["GR2_DATA_ROOT"] = str(data_root().resolve())
         mounts.append(env["GR2_DATA_ROOT"])
+    else:  # e.g. ml-100k, which ingest downloads: the steps have no network
+        raise ContainerError(
+            f"dataset {dataset!r}: the docker runner takes a folder or a name under {data_root()} "
+            "(its steps run without network)"
+        )
     with docker_api():
         configs = require_images([BASE_IMAGE, TRAIN_IMAGE])
         users = {str(c.get("User") or "0").split(":")[0] for c in configs.values()}

@@ -78,7 +78,7 @@ done
 
 if [ -n "${IMAGES_REPORT:-}" ]; then  # one section per run, appended
   {
-    [ -s "$IMAGES_REPORT" ] || printf '# Image builds\n\nOne section per `make images` run (scripts/images.sh): each image'"'"'s build wall time and its size as the engine reports it (uncompressed).\n'
+    [ -s "$IMAGES_REPORT" ] || printf '# Image builds\n\nOne section per `make images` run (scripts/images.sh): each image'"'"'s build wall time and its size as the engine\nreports it (uncompressed).\n'
     echo
     echo "## \`${IMAGES_COMMAND:-scripts/images.sh}\` at $(git rev-parse --short HEAD), $(date -u '+%Y-%m-%d %H:%M') UTC"
     echo

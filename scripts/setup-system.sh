@@ -18,6 +18,7 @@ need_containers=("podman:podman" "buildah:buildah" "runc:runc" "debootstrap:debo
   "slirp4netns:slirp4netns" "fuse-overlayfs:fuse-overlayfs")
 
 [ $# -gt 0 ] || { echo "usage: $0 test|containers ..." >&2; exit 2; }
+PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"  # runc and debootstrap live there; a user's PATH may not have it
 missing=()
 for group in "$@"; do
   case "$group" in

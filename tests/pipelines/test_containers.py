@@ -16,3 +16,13 @@ def test_no_docker_api_and_no_podman_names_the_setup_step(monkeypatch, tmp_path)
     ):
         with docker_api():
             pass
+
+
+def test_docker_runner_wants_a_dataset_it_can_mount(tmp_path):
+    """The steps run without network: a dataset that ingest would download (ml-100k) is refused before any
+    container starts."""
+    from pipelines.containers import docker_runner
+
+    with pytest.raises(ContainerError, match=r"dataset 'ml-100k': the docker runner takes a folder"):
+        with docker_runner(tmp_path, "ml-100k"):
+            pass

@@ -16,7 +16,7 @@ unexport PYTHONDONTWRITEBYTECODE
 KUBECTL_SHA256 := 65691ff77eb6fa44c908b77a1082c9f092c3b9733b5cefabec0d1104890e21a8
 
 .DEFAULT_GOAL := help
-.PHONY: help install setup-test run bench test test-fast smoke-pretrained lint format compile lock clean serve loadtest images
+.PHONY: help install setup-test run bench test test-fast test-containers smoke-pretrained lint format compile lock clean serve loadtest images
 
 help: ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -78,8 +78,8 @@ format: install ## apply ruff fixes and formatting
 	.venv/bin/ruff check --fix .
 	.venv/bin/ruff format .
 
-compile: install ## compile the KFP pipeline to YAML (build/pipeline.yaml)
-	$(PY) -m pipelines.cli pipeline compile --output build/pipeline.yaml
+compile: install ## compile the KFP pipeline to YAML (build/pipeline.yaml), naming the images $(REGISTRY)/...:$(TAG)
+	GR2_REGISTRY=$(REGISTRY) GR2_IMAGE_TAG=$(TAG) $(PY) -m pipelines.cli pipeline compile --output build/pipeline.yaml
 
 # The gated diffusion model of the newest run (override: make serve MODEL=path/to/bundle).
 bundle_named = $(shell grep -l '"name": "$(1)"' runs/latest/kfp/*/*/model/bundle/reranker.json 2>/dev/null | head -1 | xargs -r dirname)
@@ -97,12 +97,21 @@ loadtest: install ## AR vs diffusion load test over HTTP on 127.0.0.1 -> benchma
 	@test -n "$(MODEL)" || { echo "no model: run 'make run' first or pass MODEL=<bundle dir>"; exit 2; }
 	$(PY) -m serving.loadtest --model_uri $(MODEL) $(if $(AR_MODEL),--ar_model_uri $(AR_MODEL)) $(if $(EXAMPLES),--examples $(EXAMPLES)) --out benchmarks/serving
 
+# Images: <registry>/gr2, gr2-train-gpu, gr2-serve, tagged with the git sha (what `make compile` names).
 TAG ?= $(shell git rev-parse --short HEAD)
 REGISTRY ?= ghcr.io/diffusion-gr2
-images: ## build the three images (needs a Docker engine), tagged with the git sha
-	docker build -f images/Dockerfile.data -t $(REGISTRY)/gr2:$(TAG) .
-	docker build -f images/Dockerfile.train-gpu -t $(REGISTRY)/gr2-train-gpu:$(TAG) .
-	docker build -f images/Dockerfile.serve -t $(REGISTRY)/gr2-serve:$(TAG) .
+# IMAGES_REPORT=benchmarks/images.md: also add this build's time and size per image to that report.
+images: ## build the three images with docker or podman, tagged with the git sha (images/README.md: platform use)
+	REGISTRY=$(REGISTRY) TAG=$(TAG) FIND_LINKS=$(FIND_LINKS) IMAGES_REPORT=$(IMAGES_REPORT) \
+	  IMAGES_COMMAND="make images$(if $(IMAGES_REPORT), IMAGES_REPORT=$(IMAGES_REPORT))" scripts/images.sh
+
+# Its own target, not part of `make test`: podman (scripts/setup-system.sh containers) first, so a machine that
+# cannot run containers stops in seconds; then the images (from the build cache when unchanged) and the tests
+# that build on them: the images' contents, the DAG in its images, the serving image as the manifests run it.
+test-containers: ## build the images, run the smoke DAG in them and serve from the serving image (tests/containers)
+	scripts/setup-system.sh containers
+	$(MAKE) --no-print-directory install images
+	GR2_REGISTRY=$(REGISTRY) GR2_IMAGE_TAG=$(TAG) $(PY) -m pytest -q -x --durations=15 -n 0 tests/containers
 
 lock: ## re-compile requirements/lock.txt from requirements/requirements.in
 	uv pip compile --python-version 3.11 --find-links $(FIND_LINKS) requirements/requirements.in -o requirements/lock.txt

@@ -437,10 +437,14 @@ def promote(
 
 @pipeline_app.command("compile")
 def pipeline_compile(output: Path = typer.Option(Path("build/pipeline.yaml"))) -> None:
-    """Compile the DAG to KFP YAML (image from GR2_IMAGE)."""
+    """Compile the DAG to KFP YAML (images: components/_image.py, `<registry>/gr2:<git sha>` by default)."""
     from pipelines.pipeline import compile_pipeline
 
-    typer.echo(compile_pipeline(str(output)))
+    try:
+        typer.echo(compile_pipeline(str(output)))
+    except ValueError as e:  # a mutable image reference
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 @pipeline_app.command("run-local")
@@ -525,10 +529,9 @@ def pipeline_upload(
     version: str = typer.Option("", help="version name (default: <UTC date>-<HHMMSS>-<git sha>)"),
     pipeline_name: str = _PIPE,
 ) -> None:
-    """Compile (images from GR2_IMAGE / GR2_TRAIN_IMAGE) and upload a new pipeline version named from the git
+    """Compile (images: components/_image.py) and upload a new pipeline version named from the git
     sha and date; the first upload creates the pipeline."""
-    import os
-
+    from components._image import BASE_IMAGE
     from pipelines import ops
     from pipelines.pipeline import PIPELINE_NAME, compile_pipeline
 
@@ -536,14 +539,13 @@ def pipeline_upload(
     sha = _ops_call(ops.git_sha)
     if package is None:
         package = Path(compile_pipeline(str(output)))
-    image = os.environ.get("GR2_IMAGE", "(default image: set GR2_IMAGE=<registry>/gr2:<sha>)")
     v = _ops_call(
         ops.upload,
         client,
         package,
         pipeline_name or PIPELINE_NAME,
         version or ops.version_name(sha),
-        f"git {sha}; image {image}",
+        f"git {sha}; image {BASE_IMAGE}",
     )
     _echo(v.__dict__)
 

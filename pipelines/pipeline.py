@@ -224,12 +224,33 @@ def gr2_pipeline(
                 )
 
 
+def mutable_images(doc) -> list[str]:
+    """Every `image` in a compiled document (at any depth) that is not an immutable reference: a git-sha tag or
+    a digest (manifests/kustomize.py's rule, the manifests' own)."""
+    from manifests.kustomize import pinned
+
+    if isinstance(doc, dict):
+        own = [v for k, v in doc.items() if k == "image" and not (isinstance(v, str) and pinned(v))]
+        return own + [i for v in doc.values() for i in mutable_images(v)]
+    if isinstance(doc, list):
+        return [i for v in doc for i in mutable_images(v)]
+    return []
+
+
 def compile_pipeline(output: str) -> str:
-    """Compile the DAG to KFP IR YAML at `output`."""
+    """Compile the DAG to KFP IR YAML at `output`; refuses (and removes) a result naming a mutable image."""
     from pathlib import Path
 
+    import yaml
     from kfp import compiler
 
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     compiler.Compiler().compile(gr2_pipeline, package_path=output)
+    mutable = [i for doc in yaml.safe_load_all(Path(output).read_text()) for i in mutable_images(doc)]
+    if mutable:
+        Path(output).unlink()
+        raise ValueError(
+            f"the compiled pipeline names mutable images {sorted(set(mutable))}: images are named by git-sha tag "
+            "or digest (components/_image.py: GR2_IMAGE_TAG, or GR2_IMAGE / GR2_TRAIN_IMAGE)"
+        )
     return output

@@ -1,6 +1,11 @@
 """Run the retraining DAG locally with kfp.local (SubprocessRunner, use_venv=False): `make run`.
 
     python -m pipelines.run_local --profile quick --dataset ml-100k [--benchmark-dir benchmarks]
+    python -m pipelines.run_local --runner docker --dataset <path or name under the data root> ...
+
+With --runner docker every step runs in the image the compiled pipeline names for it (components/_image.py:
+`make images` builds them), through kfp.local.DockerRunner, with nothing installed at run time; the pipeline
+root and the dataset are mounted at the same paths, the dataset read-only (pipelines/containers.py).
 
 Artifacts go under runs/<run_id>/kfp (the pipeline root); the evaluation's report is copied to
 runs/<run_id>/report.json / report.md, runs/latest points to the newest run, and the floor table is printed.
@@ -104,6 +109,7 @@ def run_local(
     command: str = "",
     serve_smoke: bool = True,
     overrides: dict | None = None,
+    runner: str = "subprocess",
 ) -> dict:
     """Execute the pipeline locally; returns {"run_dir", "report" (or None), "validation", "seconds"}.
 
@@ -111,7 +117,9 @@ def run_local(
     every step reads that file.
 
     serve_smoke: then serve the deployable model on 127.0.0.1 behind the Feast transformer and send it real
-    requests (serving/smoke_local.py); the summary goes into the report as `serving_smoke`."""
+    requests (serving/smoke_local.py); the summary goes into the report as `serving_smoke`.
+
+    runner: "subprocess" (this venv) or "docker" (the compiled pipeline's images, see the module docstring)."""
     from kfp import local
 
     from pipelines.pipeline import gr2_pipeline
@@ -126,17 +134,34 @@ def run_local(
         raw["name"] = f"{raw['name']} " + " ".join(f"{k}={v}" for k, v in overrides.items())
         profile = str(run_dir / PROFILE_FILE)
         Path(profile).write_text(yaml.safe_dump(raw, sort_keys=False))
+    if runner not in ("subprocess", "docker"):
+        raise ValueError(f"runner {runner!r}: subprocess or docker")
+    if runner == "docker" and overrides:
+        raise ValueError(
+            "--set overrides write the profile outside the pipeline root; the docker runner needs a profile file"
+        )
     # Components import gr2/components from the project; the subprocesses inherit this environment.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
+    params = {
+        "dataset": dataset,
+        "profile": profile,
+        "snapshot_date": snapshot_date or f"{datetime.now(UTC):%Y-%m-%d}",
+        "max_users": max_users,
+        "bounds_json": bounds_json,
+    }
     t0 = time.perf_counter()
-    gr2_pipeline(
-        dataset=dataset,
-        profile=profile,
-        snapshot_date=snapshot_date or f"{datetime.now(UTC):%Y-%m-%d}",
-        max_users=max_users,
-        bounds_json=bounds_json,
-    )
+    if runner == "docker":
+        from pipelines.containers import docker_runner
+
+        with docker_runner(root, dataset) as (docker, dataset_in_steps):
+            params["dataset"] = dataset_in_steps
+            local.init(runner=docker, pipeline_root=str(root), raise_on_error=True)
+            gr2_pipeline(**params)
+    else:
+        local.init(
+            runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True
+        )
+        gr2_pipeline(**params)
     seconds = time.perf_counter() - t0
     out: dict = {"run_dir": str(run_dir), "report": None, "validation": [], "seconds": round(seconds, 1)}
     for v in sorted(root.glob("**/validation.json")):
@@ -194,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--command", default="", help="the command to record in the report (e.g. 'make bench')")
     ap.add_argument("--no-serve-smoke", action="store_true", help="skip serving the model after the run")
     ap.add_argument(
+        "--runner",
+        choices=["subprocess", "docker"],
+        default="subprocess",
+        help="docker: every step in its image (make images), kfp.local.DockerRunner",
+    )
+    ap.add_argument(
         "--set",
         action="append",
         default=[],
@@ -208,17 +239,18 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--set wants KEY=VALUE, got {item!r}")
         overrides[key] = yaml.safe_load(value)
     res = run_local(
-        a.dataset,
-        a.profile,
-        a.runs_dir,
-        a.run_id,
-        a.snapshot_date,
-        a.max_users,
-        a.bounds_json,
-        a.benchmark_dir,
-        a.command,
-        not a.no_serve_smoke,
-        overrides,
+        dataset=a.dataset,
+        profile=a.profile,
+        runs_dir=a.runs_dir,
+        run_id=a.run_id,
+        snapshot_date=a.snapshot_date,
+        max_users=a.max_users,
+        bounds_json=a.bounds_json,
+        benchmark_dir=a.benchmark_dir,
+        command=a.command,
+        serve_smoke=not a.no_serve_smoke,
+        overrides=overrides,
+        runner=a.runner,
     )
     if res["report"] is None:
         print(f"\nNo report: validation stopped the pipeline after {res['seconds']} s ({res['run_dir']}).")

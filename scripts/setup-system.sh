@@ -2,7 +2,8 @@
 # The one set-up step for what the Makefile's targets need besides .venv (Python packages come from the lock).
 #
 #   scripts/setup-system.sh test         # make test: the Prometheus server
-#   scripts/setup-system.sh containers   # make images / make test-containers: podman, buildah, runc, debootstrap
+#   scripts/setup-system.sh containers   # make images / make test-containers: podman (runc, debootstrap, ...), and
+#                                        # a container started once to prove it works here
 #
 # `make test`, `make test-containers` and .ci/run call it, so a newcomer and CI install the same things the same
 # way. It checks first and returns at once when everything is there. What is missing is installed with apt-get
@@ -17,6 +18,7 @@ need_containers=("podman:podman" "buildah:buildah" "runc:runc" "debootstrap:debo
   "slirp4netns:slirp4netns" "fuse-overlayfs:fuse-overlayfs")
 
 [ $# -gt 0 ] || { echo "usage: $0 test|containers ..." >&2; exit 2; }
+PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"  # runc and debootstrap live there; a user's PATH may not have it
 missing=()
 for group in "$@"; do
   case "$group" in
@@ -54,5 +56,19 @@ for group in "$@"; do
       mkdir -p /etc/containers
       printf '[containers]\ndefault_ulimits = ["nofile=20000:20000", "nproc=4096:4096"]\n\n[engine]\nruntime = "runc"\n' >"$conf"
     fi
+    # Can a container start here at all (runtime, cgroups, limits)? Checked in a second on a root filesystem made of
+    # the host's /usr, read-only, so no image is needed yet; a machine that cannot stops here, not in a build.
+    probe=$(mktemp -d)
+    mkdir -p "$probe/usr"
+    ln -s usr/bin "$probe/bin" && ln -s usr/lib "$probe/lib" && ln -s usr/lib64 "$probe/lib64"
+    if ! out=$(podman run --rm --network none --read-only -v /usr:/usr:ro --rootfs "$probe" /usr/bin/true 2>&1); then
+      rm -rf "$probe"
+      echo "setup-system: podman is installed but cannot start a container here:" >&2
+      echo "    $out" >&2
+      echo "  It needs root (or rootless podman set up) and, where crun fails on hybrid cgroups, runtime = \"runc\" and" >&2
+      echo "  default_ulimits in $conf (this script writes that file when it does not exist)." >&2
+      exit 1
+    fi
+    rm -rf "$probe"
   fi
 done

@@ -25,7 +25,8 @@ from serving.serve_local import running
 MODEL_NAME = "reranker"
 
 
-def _instances(examples: str | Path, n: int) -> list[dict[str, Any]]:
+def instances(examples: str | Path, n: int) -> list[dict[str, Any]]:
+    """The first `n` test users' requests (user_id + candidates as retrieved) from a run's candidate lists."""
     import pandas as pd
 
     df = pd.read_parquet(examples, columns=["user_id", "candidates", "split"])
@@ -35,8 +36,9 @@ def _instances(examples: str | Path, n: int) -> list[dict[str, Any]]:
     ]
 
 
-def _v2_body(instances: list[dict[str, Any]]) -> dict[str, Any]:
-    data = [json.dumps(i) for i in instances]
+def v2_body(insts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A v2 (open inference protocol) body carrying `insts` as one BYTES input of JSON strings."""
+    data = [json.dumps(i) for i in insts]
     return {"inputs": [{"name": "instances", "shape": [len(data)], "datatype": "BYTES", "data": data}]}
 
 
@@ -51,47 +53,54 @@ def smoke(
     became ready; request failures are counted in the summary, not raised (the report shows them)."""
     args = ["--model_uri", str(model_uri), "--feast_repo", str(feast_repo)]
     with running(args, MODEL_NAME, log) as url:
-        insts = _instances(examples, n_requests)
-        lat, preds, codes = [], [], []
-        with httpx.Client(timeout=120) as http:
-            for inst in insts:
-                t0 = time.perf_counter()
-                r = http.post(f"{url}/v1/models/{MODEL_NAME}:predict", json={"instances": [inst]})
-                lat.append((time.perf_counter() - t0) * 1000)
-                codes.append(r.status_code)
-                if r.status_code == 200:
-                    preds.append(r.json()["predictions"][0])
-            # The same lists with their candidates reversed: a model that ranks by evidence keeps its top-1;
-            # one that copies the input order does not.
-            flipped = [{**i, "candidates": i["candidates"][::-1]} for i in insts]
-            r = http.post(f"{url}/v1/models/{MODEL_NAME}:predict", json={"instances": flipped})
-            flipped_preds = r.json()["predictions"] if r.status_code == 200 else []
-            r2 = http.post(f"{url}/v2/models/{MODEL_NAME}/infer", json=_v2_body(insts[:2]))
-            bad = http.post(
-                f"{url}/v1/models/{MODEL_NAME}:predict",
-                content=b'{"instances": [{"user_id": ',
-                headers={"content-type": "application/json"},
-            )
-            after = http.post(f"{url}/v1/models/{MODEL_NAME}:predict", json={"instances": insts[:1]})
-        lat.sort()
-        return {
-            "url": url,
-            "model_uri": str(model_uri),
-            "requests": len(insts),
-            "ok": sum(c == 200 for c in codes),
-            "valid": sum(bool(p.get("valid")) for p in preds),
-            "with_history": sum(int(p.get("history_len") or 0) > 0 for p in preds),
-            "reordered": sum(p["ranking"] != i["candidates"] for p, i in zip(preds, insts, strict=False)),
-            "same_top1_reversed": sum(
-                a["ranking"][:1] == b["ranking"][:1] for a, b in zip(preds, flipped_preds, strict=False)
-            ),
-            "reversed_status": r.status_code,
-            "p50_ms": round(lat[len(lat) // 2], 1) if lat else None,
-            "v2_status": r2.status_code,
-            "malformed_status": bad.status_code,
-            "status_after_malformed": after.status_code,
-            "example": preds[0] if preds else None,
-        }
+        return {**probe(url, examples, n_requests), "model_uri": str(model_uri)}
+
+
+def probe(
+    url: str, examples: str | Path, n_requests: int = 8, model_name: str = MODEL_NAME
+) -> dict[str, Any]:
+    """Send a running server at `url` the requests above (smoke's; also tests/containers against the serving
+    container); the summary counts failures rather than raising them."""
+    insts = instances(examples, n_requests)
+    lat, preds, codes = [], [], []
+    with httpx.Client(timeout=120) as http:
+        for inst in insts:
+            t0 = time.perf_counter()
+            r = http.post(f"{url}/v1/models/{model_name}:predict", json={"instances": [inst]})
+            lat.append((time.perf_counter() - t0) * 1000)
+            codes.append(r.status_code)
+            if r.status_code == 200:
+                preds.append(r.json()["predictions"][0])
+        # The same lists with their candidates reversed: a model that ranks by evidence keeps its top-1;
+        # one that copies the input order does not.
+        flipped = [{**i, "candidates": i["candidates"][::-1]} for i in insts]
+        r = http.post(f"{url}/v1/models/{model_name}:predict", json={"instances": flipped})
+        flipped_preds = r.json()["predictions"] if r.status_code == 200 else []
+        r2 = http.post(f"{url}/v2/models/{model_name}/infer", json=v2_body(insts[:2]))
+        bad = http.post(
+            f"{url}/v1/models/{model_name}:predict",
+            content=b'{"instances": [{"user_id": ',
+            headers={"content-type": "application/json"},
+        )
+        after = http.post(f"{url}/v1/models/{model_name}:predict", json={"instances": insts[:1]})
+    lat.sort()
+    return {
+        "url": url,
+        "requests": len(insts),
+        "ok": sum(c == 200 for c in codes),
+        "valid": sum(bool(p.get("valid")) for p in preds),
+        "with_history": sum(int(p.get("history_len") or 0) > 0 for p in preds),
+        "reordered": sum(p["ranking"] != i["candidates"] for p, i in zip(preds, insts, strict=False)),
+        "same_top1_reversed": sum(
+            a["ranking"][:1] == b["ranking"][:1] for a, b in zip(preds, flipped_preds, strict=False)
+        ),
+        "reversed_status": r.status_code,
+        "p50_ms": round(lat[len(lat) // 2], 1) if lat else None,
+        "v2_status": r2.status_code,
+        "malformed_status": bad.status_code,
+        "status_after_malformed": after.status_code,
+        "example": preds[0] if preds else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+# tests/containers build on the images `make images` builds: their own target (`make test-containers`), not part of
+# `make test`. They are collected only when named (pytest tests/containers[/...]).
+CONTAINERS = Path(__file__).resolve().parent / "containers"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if collection_path != CONTAINERS:
+        return None
+    named = [Path(str(a).split("::")[0]).resolve() for a in config.args]
+    return not any(p == CONTAINERS or CONTAINERS in p.parents for p in named)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own grouping of tests by shared fixtures

@@ -1,8 +1,9 @@
-"""Dockerfiles cannot be built here (no docker engine): check what they do instead. hadolint (pinned, run by
-uv) plus the rules that matter for this repo: non-root user, one pinned base matching requires-python, no pip
-cache, every pip install constrained by the one lock or pinned, only the role's extras (as images/README.md
-documents), copied paths that exist, the CUDA torch swap in the GPU image, and each image's install resolving
-against the lock (uv). test_dockerfile_install.py runs the install commands themselves.
+"""The Dockerfiles, linted in `make test` (the images themselves are built and checked by `make test-containers`:
+tests/containers). hadolint (pinned, run by uv) plus the rules that matter for this repo: non-root user, one pinned
+base matching requires-python (a build argument, so a machine without the registry can substitute its own),
+no pip cache, every pip install constrained by the one lock or pinned, only the role's extras (as images/README.md
+documents) in both the dependency layer and the project install, copied paths that exist, the CUDA torch swap in
+the GPU image, and each image's install resolving against the lock (uv).
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ def instructions(name: str) -> list[tuple[str, str]]:
     return out
 
 
+def base_image(name: str) -> str:
+    """The base a Dockerfile builds on: the default of its `ARG BASE_IMAGE`, which its first FROM uses."""
+    ins = instructions(name)
+    assert ins[0][0] == "ARG" and ins[0][1].startswith("BASE_IMAGE="), f"{name}: ARG BASE_IMAGE=... first"
+    assert next(rest for op, rest in ins if op == "FROM") == "${BASE_IMAGE}", f"{name}: FROM ${{BASE_IMAGE}}"
+    return ins[0][1].split("=", 1)[1]
+
+
 def pip_installs(name: str) -> list[list[str]]:
     runs = [rest for op, rest in instructions(name) if op == "RUN"]
     cmds = [c.strip() for r in runs for c in r.split("&&")]
@@ -46,7 +55,7 @@ def pip_installs(name: str) -> list[list[str]]:
 
 def requirements(args: list[str]) -> list[str]:
     """The positional arguments of a `pip install` (its requirements), option values skipped."""
-    takes_value = {"-c", "-i", "--index-url", "--extra-index-url", "-f", "--find-links"}
+    takes_value = {"-c", "-r", "-i", "--index-url", "--extra-index-url", "-f", "--find-links"}
     return [
         x for i, x in enumerate(args) if not x.startswith("-") and (i == 0 or args[i - 1] not in takes_value)
     ]
@@ -55,7 +64,7 @@ def requirements(args: list[str]) -> list[str]:
 @pytest.mark.parametrize("name", IMAGES.values())
 def test_dockerfile_basics(name):
     ins = instructions(name)
-    assert ins[0][0] == "FROM" and re.fullmatch(r"python:3\.11\.\d+-slim", ins[0][1]), "pin the base image"
+    assert re.fullmatch(r"python:3\.11\.\d+-slim", base_image(name)), "pin the base image"
     users = [rest for op, rest in ins if op == "USER"]
     assert users and users[-1] not in ("root", "0")
     last_run = max(i for i, (op, _) in enumerate(ins) if op == "RUN")
@@ -116,19 +125,34 @@ def test_dockerfile_lint_rules(name):
         f"DL3042: {name} keeps pip's cache (set ENV PIP_NO_CACHE_DIR=1 or pass --no-cache-dir)"
     )
     for a in pip_installs(name):
-        assert not {"-U", "--upgrade", "-e", "--editable", "-r"} & set(a), f"{name}: {a}"
+        assert not {"-U", "--upgrade", "-e", "--editable"} & set(a), f"{name}: {a}"
         if "-c" not in a:  # DL3013: an install the lock does not constrain pins every requirement exactly
             assert all("==" in x for x in requirements(a)), f"{name}: unpinned install {a}"
-    # The constraints file of a torch-swapping image is the lock minus its torch line, made in the same RUN.
+    # The constraints file of a torch-swapping image is the lock minus its torch line, made in the first RUN that
+    # installs with it.
     for c in {a[a.index("-c") + 1] for a in pip_installs(name) if "-c" in a} - {"requirements/lock.txt"}:
-        assert any(f"grep -v '^torch==' requirements/lock.txt > {c}" in r for r in runs), c
+        first = next(r for r in runs if f"-c {c}" in r)
+        assert f"grep -v '^torch==' requirements/lock.txt > {c}" in first, c
+    # The dependency layer (before the source is copied) installs the role's extras, as the project install
+    # names them, from a requirements file images/requirements.py writes in the same RUN, lock-constrained.
+    project = next(a for a in pip_installs(name) if any(x.startswith(".[") for x in a))
+    extras = next(x for x in project if x.startswith(".["))[2:-1].split(",")
+    [deps] = [a for a in pip_installs(name) if "-r" in a]
+    req = deps[deps.index("-r") + 1]
+    assert "-c" in deps and [x for x in requirements(deps)] == [
+        x for x in requirements(project) if x[0] != "."
+    ]
+    assert any(
+        f"python images/requirements.py {' '.join(extras)} > {req}" in r and f"-r {req}" in r for r in runs
+    )
+    first_copy_of_source = ins.index(("COPY", "gr2 gr2"))
+    deps_run = next(i for i, (op, rest) in enumerate(ins) if op == "RUN" and f"-r {req}" in rest)
+    assert deps_run < first_copy_of_source, "the dependency layer comes before the source is copied"
     if "TORCH_VERSION" in args:
         assert args["TORCH_VERSION"] == LOCK["torch"].split("+")[0], (
             "TORCH_VERSION differs from the lock's torch"
         )
     # Only the role's extras, as images/README.md documents them; never dev/all in an image.
-    project = next(a for a in pip_installs(name) if any(x.startswith(".[") for x in a))
-    extras = next(x for x in project if x.startswith(".["))[2:-1].split(",")
     assert not {"dev", "all"} & set(extras)
     assert sorted(extras) == sorted(readme_extras()[name]), (
         f"{name}: extras {extras} differ from images/README.md"
@@ -157,7 +181,7 @@ def test_hadolint_passes():
 
 
 def test_images_share_one_base_matching_pyproject():
-    bases = {next(rest for op, rest in instructions(n) if op == "FROM") for n in IMAGES.values()}
+    bases = {base_image(n) for n in IMAGES.values()}
     assert len(bases) == 1, f"one python for every image: {bases}"
     python = re.match(r"python:(\d+\.\d+\.\d+)-", bases.pop()).group(1)
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
@@ -168,8 +192,9 @@ def test_gpu_image_swaps_the_cpu_torch_pin():
     text = (ROOT / "images" / "Dockerfile.train-gpu").read_text()
     assert "grep -v '^torch==' requirements/lock.txt > /tmp/constraints-gpu.txt" in text
     assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cu" in text
-    torch_first, project = pip_installs("Dockerfile.train-gpu")
+    torch_first, deps, project = pip_installs("Dockerfile.train-gpu")
     assert torch_first[-1] == "torch==${TORCH_VERSION}" and "--index-url" in torch_first
+    assert deps[deps.index("-c") + 1] == project[project.index("-c") + 1] == "/tmp/constraints-gpu.txt"
     assert LOCK["torch"].startswith("2.13.0") and "ARG TORCH_VERSION=2.13.0" in text
     kept = [
         ln
@@ -234,3 +259,25 @@ def test_image_install_resolves_against_the_lock(image, tmp_path):
     assert want <= set(resolved), want - set(resolved)
     if image != "serve":
         assert "kserve" not in resolved  # each image carries only its own extras
+
+
+def test_role_requirements_are_pyprojects_core_and_extras(tmp_path):
+    """images/requirements.py (the images' dependency layer): the core dependencies and each named extra's, once
+    each; an unknown extra is named."""
+    import sys
+    import tomllib
+
+    script = ROOT / "images" / "requirements.py"
+    r = subprocess.run(
+        [sys.executable, str(script), "serving", "features"], cwd=ROOT, capture_output=True, text=True
+    )
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    want = list(dict.fromkeys(project["dependencies"] + extras["serving"] + extras["features"]))
+    assert (
+        r.returncode == 0
+        and r.stdout.split() == want
+        and len(want) < len(project["dependencies"] + extras["serving"] + extras["features"])
+    )  # feast is in both extras: listed once
+    r = subprocess.run([sys.executable, str(script), "gpu"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and "no extra ['gpu']" in r.stderr

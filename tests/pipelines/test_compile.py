@@ -4,11 +4,17 @@ handler, caching keyed on snapshot_date."""
 
 from __future__ import annotations
 
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import yaml
 
-from components._image import BASE_IMAGE, TRAIN_IMAGE
-from pipelines.pipeline import PIPELINE_NAME, compile_pipeline
+from components._image import BASE_IMAGE, TAG, TRAIN_IMAGE
+from pipelines.pipeline import PIPELINE_NAME, compile_pipeline, mutable_images
 from pipelines.resources import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TYPE, S3_SECRET, TRAIN_MOUNT, TRAIN_PVC
 
 # Training steps submit Kubeflow Trainer TrainJobs (the GPUs are the job's: tests/components/test_trainjob.py);
@@ -87,6 +93,34 @@ def test_dag_steps_images_and_parameters(compiled):
         "prometheus_url",
     } <= set(params)
     assert {"train_nodes", "train_gpus_per_node"} <= set(params)
+
+
+def test_compiled_objects_name_only_immutable_images(compiled, tmp_path):
+    """Every image in both compiled documents is a git-sha tag or a digest: by default this checkout's sha, the
+    tag `make images` gives. A mutable one (here :latest) is found by the same check, and `make compile`'s command
+    refuses to write it."""
+    spec, executors = compiled
+    assert not mutable_images(spec) and not mutable_images(executors)
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    assert TAG == os.environ.get("GR2_IMAGE_TAG", head) and BASE_IMAGE.endswith(f"/gr2:{TAG}")
+    assert TRAIN_IMAGE.endswith(f"/gr2-train-gpu:{TAG}")
+    tampered = copy.deepcopy(spec)
+    next(iter(tampered["deploymentSpec"]["executors"].values()))["container"]["image"] = (
+        "reg.example/gr2:latest"
+    )
+    assert mutable_images(tampered) == ["reg.example/gr2:latest"]
+    out = tmp_path / "p.yaml"
+    r = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "pipeline", "compile", "--output", str(out)],
+        env={**os.environ, "GR2_IMAGE": "reg.example/gr2:latest"},
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode != 0 and "mutable images ['reg.example/gr2:latest']" in r.stderr and not out.exists()
 
 
 def test_gpu_steps_have_accelerator_node_selector_toleration_retries(compiled):

@@ -205,8 +205,8 @@ def test_set_overrides_reach_run_local(monkeypatch):
 
     got = {}
 
-    def fake(*args):
-        got["overrides"] = args[-1]
+    def fake(**kwargs):
+        got["overrides"] = kwargs["overrides"]
         return {"report": None, "validation": [], "seconds": 0.0, "run_dir": "x"}
 
     monkeypatch.setattr(rl, "run_local", fake)

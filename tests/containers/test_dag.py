@@ -1,0 +1,112 @@
+"""The smoke DAG with every step in the image the compiled pipeline names for it (kfp.local.DockerRunner, nothing
+installed at run time, no network), against the same DAG in this venv (SubprocessRunner) on the same data and
+seed: the `dag` fixture (conftest.py) runs both. What a venv run cannot show: a module missing from an image, a
+file not copied, the images' user and the pipeline root, kfp's executor as the image has it."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import yaml
+
+from pipelines.pipeline import compile_pipeline
+from pipelines.run_local import run_local
+from tests.components.slices import require_slice
+from tests.containers.support import executed_images, executed_tasks, run_output
+
+pytestmark = pytest.mark.slow
+
+R1_TOLERANCE = 0.002  # the issue's bound; identical is expected (same wheels, same CPU kernels, same seed)
+
+
+def report(run_dir) -> dict:
+    return json.loads((run_dir / "report.json").read_text())
+
+
+def compiled_images(tmp_path) -> tuple[dict[str, str], list[str]]:
+    """task name -> the image the compiled pipeline runs it in; and every executor's command line."""
+    docs = list(yaml.safe_load_all(open(compile_pipeline(str(tmp_path / "pipeline.yaml")))))
+    spec = docs[0]
+    executors = spec["deploymentSpec"]["executors"]
+    images = {}
+    for comp in [spec["root"], *spec["components"].values()]:
+        for name, task in comp.get("dag", {}).get("tasks", {}).items():
+            label = spec["components"][task["componentRef"]["name"]].get("executorLabel")
+            if label:
+                images[name] = executors[label]["container"]["image"]
+    commands = [
+        " ".join(e["container"]["command"] + e["container"].get("args", [])) for e in executors.values()
+    ]
+    return images, commands
+
+
+def test_containerized_dag_report_matches_the_venv_run(dag):
+    """Same rows; R@1 within the issue's 0.002 (and every quality metric is in fact identical here); and, a check
+    that does not saturate on a smoke model, the same training trajectories: each stage's losses, rewards and KLs
+    (timings excepted)."""
+    docker, venv = report(dag["docker"]), report(dag["subprocess"])
+    assert [(r["model"], r["tau"]) for r in docker["rows"]] == [(r["model"], r["tau"]) for r in venv["rows"]]
+    assert len(docker["rows"]) == 14  # floor .. spec: every stage ran in its image
+    for a, b in zip(docker["rows"], venv["rows"], strict=True):
+        assert abs(a["recall@1"] - b["recall@1"]) <= R1_TOLERANCE, (
+            a["model"],
+            a["tau"],
+            a["recall@1"],
+            b["recall@1"],
+        )
+        quality = [k for k in a if k.startswith(("recall@", "ndcg@")) or k in ("validity", "n_users")]
+        assert {k: a[k] for k in quality} == pytest.approx({k: b[k] for k in quality}, abs=R1_TOLERANCE), a[
+            "model"
+        ]
+    assert docker["retriever"] == venv["retriever"]
+    assert docker["gate"]["passed"] == venv["gate"]["passed"]
+    assert (
+        set(docker["training"])
+        == set(venv["training"])
+        == {"ar_sft", "ar", "ar_no_trace", "naive", "cft", "opd", "rl"}
+    )
+    for stage, a in docker["training"].items():
+        b = venv["training"][stage]
+        learned = {
+            k: v for k, v in a.items() if isinstance(v, float) and "loss" in k or "kl_" in k or "reward" in k
+        }
+        assert learned and learned == pytest.approx({k: b[k] for k in learned}, rel=1e-4), stage
+
+
+def test_every_step_ran_in_the_image_the_pipeline_names(dag, images, tmp_path):
+    want, commands = compiled_images(tmp_path)
+    ran = executed_images(dag["logs"]["docker"])
+    assert len(ran) >= 17, ran  # the data steps, six training stages, evaluation, gate, deploy, outcome
+    for task, image in ran:
+        assert task in want, f"{task} is not a task of the compiled pipeline"
+        assert image == want[task], (task, image, want[task])
+    assert {image for _, image in ran} == {images["data"], images["train-gpu"]}
+    # The same tasks ran as in the venv: nothing was left out in the containers.
+    assert sorted(t for t, _ in ran) == sorted(executed_tasks(dag["logs"]["subprocess"]))
+    # Nothing is installed at run time, exactly as on the cluster.
+    assert not any("pip install" in c for c in commands)
+    assert "pip install" not in dag["logs"]["docker"]
+
+
+def test_steps_wrote_as_the_images_user(dag):
+    """kfp.local mounts the pipeline root at the same path: what the steps wrote is the images' user's (10001)."""
+    for pattern in ("candidates/examples", "materialize/feature_store/online_store.db"):
+        assert run_output(dag["docker"], pattern).stat().st_uid == 10001, pattern
+
+
+def test_a_step_failing_in_its_container_fails_the_run(images, docker_client, tmp_path, capfd):
+    """Malformed data fails ingest inside the data image, and the run stops there, as on the cluster (kfp.local's
+    own Docker handler read an auto-removed container's exit as success: pipelines/containers.py run_container)."""
+    inter = pd.read_csv(require_slice() / "interactions.tsv", sep="\t", dtype=str, keep_default_na=False)
+    inter = inter[inter["user_id"].isin(["1", "2"])].reset_index(drop=True)
+    inter.loc[[3, 4], "seq_idx"] = inter.loc[[4, 3], "seq_idx"].to_numpy()  # user 1's rows 3 and 4 swapped
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    inter.to_csv(bad / "interactions.tsv", sep="\t", index=False)
+    with pytest.raises(RuntimeError, match=r"Inner task failed: .*ingest"):
+        run_local(str(bad), "smoke", tmp_path, "bad", "2026-01-01", serve_smoke=False, runner="docker")
+    assert "seq_idx 3 of user '1' comes after" in "".join(capfd.readouterr())
+    [outcome] = (tmp_path / "bad" / "kfp").glob("**/outcome/outcome.json")
+    assert json.loads(outcome.read_text())["status"] == "FAILED"

@@ -1,6 +1,7 @@
 """Automated canary analysis (serving/canary.py) against a REAL Prometheus (Debian's `prometheus`, started here
 on 127.0.0.1 with a temporary config) scraping two real predictor revisions on 127.0.0.1, stable and canary
-(tests/serving/canary_server.py: its fault is switched per scenario), with the fake Kubernetes API
+(tests/serving/canary_server.py, both serving the floor model: `floor_dir` says why; the canary's fault is switched
+per scenario), with the fake Kubernetes API
 (tests/serving/fake_kube.py) playing KServe. A healthy canary walks 10 -> 50 -> 100 % and is promoted, the production pointer written; a
 canary that errors, is slow or gives invalid rankings is rolled back at the first step, the pointer left alone.
 
@@ -26,6 +27,7 @@ from kubernetes.config import kube_config
 
 from components.artifact_store import ArtifactStore, LocalBackend
 from gr2.config import CanaryConfig
+from gr2.inference import FloorReranker
 from serving.canary import REVISION_LABEL, agreement, analyze, check_steps, judge, probe_failures, probe_set
 from serving.rollout import FIELD_MANAGER, KserveKube, rollout
 from serving.serve_local import free_port, wait_ready
@@ -42,27 +44,44 @@ TRAFFIC = 20  # live requests per step, split between the revisions as the canar
 
 
 @pytest.fixture(scope="module")
-def revisions(predictor, model_dir, tmp_path_factory):
-    """stable = the session's predictor (serving.serve_local, the floor model); canary = a canary_server
-    whose fault the scenario writes into its fault file."""
-    tmp = tmp_path_factory.mktemp("canary")
-    fault_file = tmp / "fault"
-    fault_file.write_text("none")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.serving.canary_server", "--model_dir", str(model_dir)]
-        + ["--port", str(port), "--fault_file", str(fault_file)],
-        cwd=ROOT,
-        stdout=(tmp / "canary.log").open("w"),
-        stderr=subprocess.STDOUT,
+def floor_dir(ml_slice, tmp_path_factory):
+    """The model both revisions serve: the floor, whose answers take no time. The analysis compares the two
+    revisions' latency percentiles, so a model that decodes (its time varies with the machine's load) would make
+    the healthy canary fail or the slow one pass by chance; what a real model serves is the other serving
+    tests' subject (tests/serving/toy_model.py)."""
+    return FloorReranker(name="floor", n_candidates=10, items=ml_slice["items"]["item_id"]).save(
+        tmp_path_factory.mktemp("floor")
     )
-    url = f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def revisions(floor_dir, tmp_path_factory):
+    """stable and canary: two canary_server revisions of the floor model; the scenario writes the canary's
+    fault into its fault file (the stable one's stays "none")."""
+    tmp = tmp_path_factory.mktemp("canary")
+    procs, urls, faults = [], [], []
     try:
-        wait_ready(f"{predictor['url']}/v1/models/{MODEL}", timeout_s=300, proc=predictor["proc"])
-        wait_ready(f"{url}/v1/models/{MODEL}", timeout_s=300, proc=proc)
-        yield {"stable": (STABLE, predictor["url"]), "canary": (CANARY, url), "fault_file": fault_file}
+        for rev in ("stable", "canary"):
+            fault_file = tmp / f"{rev}.fault"
+            fault_file.write_text("none")
+            port = free_port()
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.serving.canary_server", "--model_dir", str(floor_dir)]
+                    + ["--port", str(port), "--fault_file", str(fault_file)],
+                    cwd=ROOT,
+                    stdout=(tmp / f"{rev}.log").open("w"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            urls.append(f"http://127.0.0.1:{port}")
+            faults.append(fault_file)
+        for url, proc in zip(urls, procs, strict=True):
+            wait_ready(f"{url}/v1/models/{MODEL}", timeout_s=300, proc=proc)
+        yield {"stable": (STABLE, urls[0]), "canary": (CANARY, urls[1]), "fault_file": faults[1]}
     finally:
-        stop(proc)
+        for proc in procs:
+            stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +202,8 @@ def run(fault, revisions, prometheus, examples, model_dir, tmp_path):
     return report, api, store
 
 
-def test_a_healthy_canary_is_promoted(revisions, prometheus, examples, model_dir, tmp_path):
-    report, api, store = run("none", revisions, prometheus, examples, model_dir, tmp_path)
+def test_a_healthy_canary_is_promoted(revisions, prometheus, examples, floor_dir, tmp_path):
+    report, api, store = run("none", revisions, prometheus, examples, floor_dir, tmp_path)
     assert report["outcome"] == "promoted", report
     assert [s["canary_percent"] for s in report["steps"]] == [10, 50, 100]
     for s in report["steps"]:
@@ -215,9 +234,9 @@ def test_a_healthy_canary_is_promoted(revisions, prometheus, examples, model_dir
     [("error", ["error rate"]), ("slow", ["p99 latency"]), ("invalid", ["validity", "fallback rate"])],
 )
 def test_a_faulty_canary_is_rolled_back(
-    fault, expected, revisions, prometheus, examples, model_dir, tmp_path
+    fault, expected, revisions, prometheus, examples, floor_dir, tmp_path
 ):
-    report, api, store = run(fault, revisions, prometheus, examples, model_dir, tmp_path)
+    report, api, store = run(fault, revisions, prometheus, examples, floor_dir, tmp_path)
     assert report["outcome"] == "rolled-back", report
     (step,) = report["steps"]  # decided at the first step, 10 %
     assert step["canary_percent"] == 10
@@ -229,7 +248,7 @@ def test_a_faulty_canary_is_rolled_back(
     assert store.production()["run_id"] == "old" and report["pointer"] is None
 
 
-def test_the_component_decides_and_reports(revisions, prometheus, examples, model_dir, tmp_path, monkeypatch):
+def test_the_component_decides_and_reports(revisions, prometheus, examples, floor_dir, tmp_path, monkeypatch):
     """components/canary_analysis.py's body, called as KFP's executor calls it (the function with artifacts),
     reaching the fake API through a kubeconfig and reading its thresholds from a profile file: an erroring
     canary is rolled back by the component too, and the pointer left alone."""
@@ -239,7 +258,7 @@ def test_the_component_decides_and_reports(revisions, prometheus, examples, mode
 
     revisions["fault_file"].write_text("error")
     api = FakeApi(traffic={"prev": revisions["stable"], "latest": revisions["canary"]})
-    store = start_canary(api, model_dir, tmp_path)
+    store = start_canary(api, floor_dir, tmp_path)
     (tmp_path / "kubeconfig").write_text(api.kubeconfig())
     # the client reads $KUBECONFIG once, at import: point its default at the file
     monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "kubeconfig"))

@@ -104,6 +104,29 @@ def test_batcher_never_blocks_the_event_loop_and_survives_errors():
     assert first.result.ranking == ["a", "b"] and again.result.ranking == ["b", "a"]
 
 
+def test_a_request_that_fails_in_the_model_fails_only_itself():
+    """A shared model call that raises is run again one request at a time: the request that fails gets its own
+    error, the others their rankings (one client's request never fails another's)."""
+    calls = []
+
+    def rank(reqs, decoder, tau):
+        calls.append(len(reqs))
+        if any(r.user_id == "poison" for r in reqs):
+            raise ValueError("cannot rank this one")
+        return FloorReranker().rank(reqs)
+
+    async def main():
+        b = MicroBatcher(rank, max_batch=8, max_wait_ms=50)
+        users = ["a", "poison", "b", "c"]
+        reqs = [RankRequest(u, ["x", "y", "z"][: 2 + k % 2], []) for k, u in enumerate(users)]
+        return await asyncio.gather(*(b.submit(r, "ar", 1.0) for r in reqs), return_exceptions=True)
+
+    a, poison, b, c = asyncio.run(main())
+    assert isinstance(poison, ValueError) and str(poison) == "cannot rank this one"
+    assert [t.result.ranking for t in (a, b, c)] == [["x", "y"], ["x", "y"], ["x", "y", "z"]]
+    assert calls == [4, 1, 1, 1, 1] and {t.batch_size for t in (a, b, c)} == {1}
+
+
 def test_predictor_loads_from_s3_uri(tmp_path, monkeypatch):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

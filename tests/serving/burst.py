@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ import pandas as pd
 from gr2.inference import read_config
 from gr2.report import git_sha
 from serving.loadtest import percentile
-from serving.serve_local import free_port, wait_ready
+from serving.serve_local import free_port, running
 from tests.serving.conftest import MODEL
 from tests.serving.test_robustness import V1, V2, hostile
 
@@ -191,33 +190,22 @@ def main(argv: list[str] | None = None) -> dict:
     args = ["--model_uri", a.model_uri, "--port", str(port)] + (
         ["--feast_repo", a.feast_repo] if a.feast_repo else []
     )
-    with tempfile.TemporaryDirectory(prefix="gr2-burst-") as tmp:
-        log = (Path(tmp) / "server.log").open("w")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "serving.serve_local", *args], stdout=log, stderr=subprocess.STDOUT
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_ready(f"{url}/v1/models/{MODEL}", timeout_s=1800, proc=proc)
-            load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
-            t0 = time.perf_counter()
+    with (
+        tempfile.TemporaryDirectory(prefix="gr2-burst-") as tmp,
+        running(args, MODEL, Path(tmp) / "server.log") as url,
+    ):
+        load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        t0 = time.perf_counter()
 
-            async def run() -> list[dict]:
-                gate = asyncio.Semaphore(a.concurrency)
-                limits = httpx.Limits(max_connections=a.concurrency)
-                async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
-                    return await asyncio.gather(*(send(client, r, gate) for r in reqs))
+        async def run() -> list[dict]:
+            gate = asyncio.Semaphore(a.concurrency)
+            limits = httpx.Limits(max_connections=a.concurrency)
+            async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+                return await asyncio.gather(*(send(client, r, gate) for r in reqs))
 
-            results = asyncio.run(run())
-            wall = time.perf_counter() - t0
-            load_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
+        results = asyncio.run(run())
+        wall = time.perf_counter() - t0
+        load_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
         log_text = (Path(tmp) / "server.log").read_text(errors="replace")
     report = {
         "meta": {

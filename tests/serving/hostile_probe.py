@@ -17,6 +17,7 @@ an older commit. Model control (unload) goes last: on a server that allows it, i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -35,7 +36,7 @@ import httpx
 import psutil
 
 from serving.schema import ServeConfig
-from serving.serve_local import free_port, wait_ready
+from serving.serve_local import free_port, running
 from tests.serving.conftest import MODEL, build_feast_repo, load_ml_slice, raw_http
 from tests.serving.test_robustness import V1, hostile
 from tests.serving.toy_model import train_toy_bundle
@@ -104,7 +105,7 @@ def probe(url: str, port: int, pid: int, sl: dict, body_timeout_s: float) -> lis
             return False
         return ready and served
 
-    def record(kind, status, expect, field, err, ms, nbytes, note="", via="socket"):
+    def record(kind, status, expect, field, err, *, ms, nbytes, note="", via="socket"):
         rows.append(
             {
                 "kind": kind,
@@ -130,17 +131,8 @@ def probe(url: str, port: int, pid: int, sl: dict, body_timeout_s: float) -> lis
         except httpx.HTTPError as e:
             status, err, r = 0, f"{type(e).__name__}: {e}"[:200], None
         ms = (time.perf_counter() - t0) * 1000
-        record(
-            kind,
-            status,
-            expect,
-            field,
-            err,
-            ms,
-            len(body),
-            note(r) if note and r is not None else "",
-            "client",
-        )
+        note_text = note(r) if note and r is not None else ""
+        record(kind, status, expect, field, err, ms=ms, nbytes=len(body), note=note_text, via="client")
 
     def raw(kind, data, expect, field, pause_s=0.0):
         pieces = (
@@ -154,7 +146,8 @@ def probe(url: str, port: int, pid: int, sl: dict, body_timeout_s: float) -> lis
             err = str(json.loads(answer).get("error", answer))
         except ValueError:
             err = answer[:200]
-        record(kind, status, expect, field, err, (time.perf_counter() - t0) * 1000, sum(map(len, pieces)))
+        ms = (time.perf_counter() - t0) * 1000
+        record(kind, status, expect, field, err, ms=ms, nbytes=sum(map(len, pieces)))
 
     def ranked(r: httpx.Response) -> str:
         p = r.json()["predictions"]
@@ -199,8 +192,8 @@ def probe(url: str, port: int, pid: int, sl: dict, body_timeout_s: float) -> lis
         200,
         None,
         f"{ok} of 8 answered with a permutation of their own candidates",
-        (time.perf_counter() - t0) * 1000,
-        sum(len(json.dumps(b)) for b in mixed),
+        ms=(time.perf_counter() - t0) * 1000,
+        nbytes=sum(len(json.dumps(b)) for b in mixed),
     )
 
     # --- bad bodies ------------------------------------------------------------------------------------
@@ -323,8 +316,8 @@ def probe(url: str, port: int, pid: int, sl: dict, body_timeout_s: float) -> lis
         408,
         "body: not received",
         err.removeprefix('{"error": "'),
-        (time.perf_counter() - t0) * 1000,
-        15,
+        ms=(time.perf_counter() - t0) * 1000,
+        nbytes=15,
     )
     raw(
         "a 64 MB header",
@@ -398,8 +391,8 @@ def probe(url: str, port: int, pid: int, sl: dict, body_timeout_s: float) -> lis
         0,
         None,
         what,
-        (time.perf_counter() - t0) * 1000,
-        0,
+        ms=(time.perf_counter() - t0) * 1000,
+        nbytes=0,
     )
     # memory: 16 unfinished 16 MB headers at once, against the transformer's idle memory
     proc = psutil.Process(pid)
@@ -427,9 +420,9 @@ def probe(url: str, port: int, pid: int, sl: dict, body_timeout_s: float) -> lis
         431,
         None,
         note,
-        (time.perf_counter() - t0) * 1000,
-        16 * (16 << 20),
-        note,
+        ms=(time.perf_counter() - t0) * 1000,
+        nbytes=16 * (16 << 20),
+        note=note,
     )
     send("model control: load", f"/v2/repository/models/{MODEL}/load", b"", None, 403, "model control is off")
     send(
@@ -505,30 +498,14 @@ def main(argv: list[str] | None = None) -> None:
         model = train_toy_bundle(tmp / "toy", set(sl["history"]))
         repo = build_feast_repo(sl, tmp / "feature_repo")
         port = free_port()
-        log = (tmp / "server.log").open("w")
         args = ["--model_uri", str(model), "--feast_repo", str(repo), "--port", str(port)]
         if a.code is None:  # an older code may not know these flags
             args += ["--body_timeout_s", str(a.body_timeout_s), "--idle_timeout_s", str(IDLE_TIMEOUT_S)]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "serving.serve_local", *args],
-            cwd=code,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        url = f"http://127.0.0.1:{port}"
         load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        try:
-            wait_ready(f"{url}/v1/models/{MODEL}", timeout_s=1800, proc=proc)
-            rows = probe(url, port, proc.pid, sl, a.body_timeout_s)
+        with contextlib.chdir(code), running(args, MODEL, tmp / "server.log") as url:
+            (server,) = [p for p in psutil.Process().children() if str(port) in p.cmdline()]
+            rows = probe(url, port, server.pid, sl, a.body_timeout_s)
             Path(f"{a.out}.partial.json").write_text(json.dumps(rows, indent=2) + "\n")  # before the shutdown
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
         log_text = (tmp / "server.log").read_text(errors="replace")
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=code, capture_output=True, text=True)
     meta = {

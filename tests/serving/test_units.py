@@ -284,3 +284,15 @@ def test_spec_requests_default_to_the_models_spec_tau():
         out = asyncio.run(p.predict(body))
         assert sorted(seen) == sorted(want), body
         assert sorted((r["decoder"], r["tau"]) for r in out["predictions"]) == sorted(want)
+
+
+def test_serve_local_takes_the_edge_candidate_cap_from_a_local_model(tmp_path):
+    """The transformer refuses more candidates than the model ranks before any feature lookup: serve_local reads N
+    from a local model directory (a storage URI is the predictor's to read; then --max_candidates)."""
+    from serving.serve_local import model_candidates, parse_args
+
+    model = FloorReranker(n_candidates=7).save(tmp_path / "m")
+    assert model_candidates(str(model)) == 7
+    assert model_candidates("s3://bucket/model") is None and model_candidates(str(tmp_path / "none")) is None
+    a = parse_args(["--max_candidates", "12", "--idle_timeout_s", "3", "--header_timeout_s", "1.5"])
+    assert (a.max_candidates, a.idle_timeout_s, a.header_timeout_s) == (12, 3, 1.5)

@@ -69,8 +69,8 @@ an_instance = st.fixed_dictionaries(
 a_request = st.tuples(st.lists(an_instance, min_size=1, max_size=5), st.booleans())
 
 
-@settings(max_examples=6, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-@given(st.lists(a_request, min_size=2, max_size=6))
+@settings(max_examples=5, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(a_request, min_size=2, max_size=5))
 def test_any_mix_of_valid_requests_sent_at_once_is_answered_each_with_its_own_candidates(
     predictor, items, ml_slice, mix
 ):

@@ -13,9 +13,15 @@ exactly the files it lists and verify their sha256, so a crash mid-upload leaves
 unpublished attempt while readers keep seeing the previous complete version.
 
 The production pointer pins one immutable attempt: (run_id, stage, attempt) and the sha256 of that attempt's
-manifest. `promote()` writes it (one PUT) for the attempt it is given (the one a canary smoke-tested), after
-checking that every file of it is present with its hash; `download_production()` then serves exactly that
-attempt, whatever was uploaded since. Paths in a manifest cannot leave the download folder.
+manifest. `promote()` writes it for the attempt it is given (the one a canary smoke-tested), after checking that
+every file of it is present with its hash; `download_production()` then serves exactly that attempt, whatever was
+uploaded since. Paths in a manifest cannot leave the download folder.
+
+Promotes are compare-and-swap writes: `promote()` reads the pointer and its version, and writes the new one only
+if the pointer is still that version (S3: a conditional PUT with If-Match, or If-None-Match: * for the first; the
+local backend: the same check under a file lock). So of concurrent promotes each one either replaced exactly the
+pointer it read (the new pointer names it under "replaces") or learns that it lost (`PromoteConflict`); none is
+silently overwritten while being told it won. Every failure of the store is an `ArtifactError` naming the key.
 
 Configuration (params override env): S3_ENDPOINT_URL (MinIO / moto / any S3), GR2_S3_BUCKET (setting it
 selects S3), GR2_S3_PREFIX; GR2_ARTIFACT_ROOT for the local backend (default `runs/artifacts`).
@@ -23,12 +29,15 @@ selects S3), GR2_S3_PREFIX; GR2_ARTIFACT_ROOT for the local backend (default `ru
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import hashlib
 import json
 import os
 import tempfile
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,6 +45,7 @@ from typing import Any, Protocol
 from gr2.files import sha256_file
 
 MANIFEST = "manifest.json"
+PINNED = ("run_id", "stage", "attempt", "manifest_sha256")  # what a production pointer pins
 ATTEMPT_MANIFESTS = "manifests"  # <run_id>/<stage>/manifests/<attempt>.json
 POINTER = "production.json"
 DEFAULT_PREFIX = "reranker"
@@ -43,19 +53,30 @@ DEFAULT_LOCAL_ROOT = "runs/artifacts"
 
 
 class ArtifactError(RuntimeError):
-    """A missing, incomplete or corrupt artifact (names the key)."""
+    """A missing, incomplete or corrupt artifact, or a store that failed (names the key)."""
+
+
+class PromoteConflict(ArtifactError):
+    """Another promote changed the production pointer between this promote's read and its write: this one did
+    not happen (promote again to replace what is there now)."""
 
 
 class Backend(Protocol):
     def put_bytes(self, key: str, data: bytes) -> None: ...
     def get_bytes(self, key: str) -> bytes | None: ...  # None when the key does not exist
+    # The object and its version (S3: the ETag), or None when the key does not exist.
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None: ...
+    # Write only if the object is still at `version` (None: only if it does not exist); False when it is not.
+    def put_if(self, key: str, data: bytes, version: str | None) -> bool: ...
     def upload_file(self, key: str, path: Path) -> None: ...
     def download_file(self, key: str, path: Path) -> None: ...
     def uri(self, key: str) -> str: ...
 
 
 class LocalBackend:
-    """A folder standing in for a bucket. Single-object writes are atomic (temp file + os.replace)."""
+    """A folder standing in for a bucket. Single-object writes are atomic (temp file + os.replace); a conditional
+    write checks and replaces under an exclusive lock on `<key>.lock` (processes of one host; a shared volume
+    needs a filesystem whose locks hold across hosts). An object's version is its content's sha256."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -65,30 +86,62 @@ class LocalBackend:
 
     def put_bytes(self, key: str, data: bytes) -> None:
         p = self._path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.{uuid.uuid4().hex}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, p)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_name(f".{p.name}.{uuid.uuid4().hex}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, p)
+        except OSError as e:
+            raise ArtifactError(f"{self.uri(key)}: write failed ({e})") from e
 
     def get_bytes(self, key: str) -> bytes | None:
         p = self._path(key)
-        return p.read_bytes() if p.is_file() else None
+        try:
+            return p.read_bytes() if p.is_file() else None
+        except OSError as e:
+            raise ArtifactError(f"{self.uri(key)}: read failed ({e})") from e
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        data = self.get_bytes(key)
+        return None if data is None else (data, hashlib.sha256(data).hexdigest())
+
+    def put_if(self, key: str, data: bytes, version: str | None) -> bool:
+        lock = self._path(f"{key}.lock")
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            with lock.open("a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+                current = self.get_versioned(key)
+                if (None if current is None else current[1]) != version:
+                    return False
+                self.put_bytes(key, data)
+                return True
+        except OSError as e:
+            raise ArtifactError(f"{self.uri(key)}: conditional write failed ({e})") from e
 
     def upload_file(self, key: str, path: Path) -> None:
-        self.put_bytes(key, Path(path).read_bytes())
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise ArtifactError(f"{path}: cannot read it for {self.uri(key)} ({e})") from e
+        self.put_bytes(key, data)
 
     def download_file(self, key: str, path: Path) -> None:
         data = self.get_bytes(key)
         if data is None:
             raise ArtifactError(f"{self.uri(key)}: missing")
-        Path(path).write_bytes(data)
+        try:
+            Path(path).write_bytes(data)
+        except OSError as e:
+            raise ArtifactError(f"{self.uri(key)}: cannot write it to {path} ({e})") from e
 
     def uri(self, key: str) -> str:
         return str(self._path(key).resolve())
 
 
 class S3Backend:
-    """boto3 S3 client; `endpoint_url` points it at MinIO/moto (path-style addressing for those)."""
+    """boto3 S3 client; `endpoint_url` points it at MinIO/moto (path-style addressing for those). Every botocore
+    failure becomes an ArtifactError naming the key."""
 
     def __init__(self, bucket: str, endpoint_url: str | None = None, client: Any = None):
         import boto3  # lazy: the local backend must work without boto3
@@ -101,26 +154,62 @@ class S3Backend:
             config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 3, "mode": "standard"}),
         )
 
+    @contextlib.contextmanager
+    def _errors(self, key: str, what: str) -> Iterator[None]:
+        from boto3.exceptions import S3UploadFailedError
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            yield
+        except (BotoCoreError, ClientError, S3UploadFailedError) as e:
+            raise ArtifactError(f"{self.uri(key)}: {what} failed ({e})") from e
+
     def put_bytes(self, key: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+        with self._errors(key, "write"):
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
 
     def get_bytes(self, key: str) -> bytes | None:
-        try:
-            return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-        except self.client.exceptions.NoSuchKey:
-            return None
+        got = self.get_versioned(key)
+        return None if got is None else got[0]
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        with self._errors(key, "read"):
+            try:
+                obj = self.client.get_object(Bucket=self.bucket, Key=key)
+            except self.client.exceptions.NoSuchKey:
+                return None
+            return obj["Body"].read(), obj["ETag"]
+
+    def put_if(self, key: str, data: bytes, version: str | None) -> bool:
+        """S3 conditional writes: If-Match the ETag read, or If-None-Match: * when there was none. 412 (the
+        condition failed) and 409 (a concurrent conditional write won) mean this write did not happen."""
+        from botocore.exceptions import ClientError
+
+        cond = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+        with self._errors(key, "conditional write"):
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **cond)
+            except ClientError as e:
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status in (409, 412) or e.response.get("Error", {}).get("Code") in CONDITION_FAILED:
+                    return False
+                raise
+        return True
 
     def upload_file(self, key: str, path: Path) -> None:
-        self.client.upload_file(str(path), self.bucket, key)
+        with self._errors(key, "upload"):
+            self.client.upload_file(str(path), self.bucket, key)
 
     def download_file(self, key: str, path: Path) -> None:
-        try:
+        with self._errors(key, "download"):
             self.client.download_file(self.bucket, key, str(path))
-        except Exception as e:  # botocore ClientError 404 on head_object
-            raise ArtifactError(f"{self.uri(key)}: download failed ({e})") from e
 
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
+
+
+# S3's answers to a conditional write that did not happen (412 and 409 in AWS's documentation).
+CONDITION_FAILED = ("PreconditionFailed", "ConditionalRequestConflict")
 
 
 @dataclass(frozen=True)
@@ -228,6 +317,9 @@ class ArtifactStore:
             raise ArtifactError(f"{self.backend.uri(what)}: no complete upload to promote")
         with tempfile.TemporaryDirectory(prefix="gr2-promote-") as tmp:
             self._fetch(m, tmp)  # every listed file present, with its hash
+        key = self._key(POINTER)
+        current = self.backend.get_versioned(key)
+        before = None if current is None else self._pointer(current[0])
         pointer = {
             **(record or {}),
             "run_id": run_id,
@@ -236,10 +328,17 @@ class ArtifactStore:
             "uri": m.uri,
             "manifest_sha256": m.sha256(),
             "promoted_at": dt.datetime.now(dt.UTC).isoformat(),
+            # the pointer this one replaced: the promotes form one chain, none lost
+            "replaces": None if before is None else {k: before.get(k) for k in PINNED},
         }
-        self.backend.put_bytes(
-            self._key(POINTER), (json.dumps(pointer, indent=2, sort_keys=True) + "\n").encode()
-        )
+        data = (json.dumps(pointer, indent=2, sort_keys=True) + "\n").encode()
+        if not self.backend.put_if(key, data, None if current is None else current[1]):
+            now = self.production()
+            raise PromoteConflict(
+                f"{self.backend.uri(key)}: another promote changed the pointer meanwhile (now "
+                f"{'nothing' if now is None else '/'.join(str(now.get(k)) for k in PINNED[:3])}); "
+                f"{run_id}/{stage}/{m.attempt} was not promoted"
+            )
         return pointer
 
     # --- reads --------------------------------------------------------------------------------
@@ -247,10 +346,34 @@ class ArtifactStore:
         raw = self.backend.get_bytes(key)
         if raw is None:
             return None
+        where = self.backend.uri(key)
         try:
-            return Manifest(**json.loads(raw))
-        except (json.JSONDecodeError, TypeError) as e:
-            raise ArtifactError(f"{self.backend.uri(key)}: corrupt ({e})") from e
+            m = Manifest(**json.loads(raw))
+        except (ValueError, TypeError) as e:  # not JSON, not an object, fields missing or unknown
+            raise ArtifactError(f"{where}: corrupt manifest ({e})") from e
+        for name in ("run_id", "stage", "attempt", "uri", "created_at"):
+            if not isinstance(getattr(m, name), str):
+                raise ArtifactError(f"{where}: corrupt manifest ({name} is not a string)")
+        if not isinstance(m.files, dict) or not isinstance(m.metadata, dict):
+            raise ArtifactError(f"{where}: corrupt manifest (files and metadata must be objects)")
+        for rel, info in m.files.items():
+            if not isinstance(info, dict) or not isinstance(info.get("sha256"), str):
+                raise ArtifactError(f"{where}: corrupt manifest (file {rel!r} has no sha256)")
+        return m
+
+    def _pointer(self, raw: bytes) -> dict[str, Any]:
+        """The production pointer's JSON, checked: an object whose pinned fields are strings."""
+        where = self.backend.uri(self._key(POINTER))
+        try:
+            p = json.loads(raw)
+        except ValueError as e:
+            raise ArtifactError(f"{where}: corrupt pointer ({e})") from e
+        if not isinstance(p, dict):
+            raise ArtifactError(f"{where}: corrupt pointer (not a JSON object)")
+        bad = [k for k in PINNED if k in p and not isinstance(p[k], str)]
+        if bad:
+            raise ArtifactError(f"{where}: corrupt pointer ({bad[0]} is not a string)")
+        return p
 
     def manifest(self, run_id: str, stage: str) -> Manifest | None:
         """The published (newest complete) attempt of (run_id, stage)."""
@@ -268,12 +391,15 @@ class ArtifactStore:
     def production(self) -> dict[str, Any] | None:
         """The production record, or None when nothing was promoted yet."""
         raw = self.backend.get_bytes(self._key(POINTER))
-        return None if raw is None else json.loads(raw)
+        return None if raw is None else self._pointer(raw)
 
     def _fetch(self, m: Manifest, dest: str | Path) -> Path:
         """Download exactly the files `m` lists into `dest`, verifying every file's sha256."""
         for what, name in (("run_id", m.run_id), ("stage", m.stage), ("attempt", m.attempt)):
-            _check_name(what, name)
+            try:
+                _check_name(what, name)
+            except ValueError as e:  # read from the store: corrupt, not the caller's mistake
+                raise ArtifactError(f"{m.uri}: corrupt manifest ({e})") from e
         base = self._key(m.run_id, m.stage, m.attempt)
         for rel in m.files:
             _check_relpath(rel, self.backend.uri(base))
@@ -301,11 +427,15 @@ class ArtifactStore:
         where = self.backend.uri(self._key(POINTER))
         if p is None:
             raise ArtifactError(f"{where}: nothing in production")
-        if "manifest_sha256" not in p:
+        missing = [k for k in PINNED if k not in p]
+        if missing:
             raise ArtifactError(
-                f"{where}: the pointer pins no attempt hash (written before pinning); promote again"
+                f"{where}: the pointer pins no {missing[0]} (written before pinning, or corrupt); promote again"
             )
-        m = self.attempt_manifest(p["run_id"], p["stage"], p["attempt"])
+        try:
+            m = self.attempt_manifest(p["run_id"], p["stage"], p["attempt"])
+        except ValueError as e:  # an attempt name that is not a key segment
+            raise ArtifactError(f"{where}: corrupt pointer ({e})") from e
         if m is None or m.sha256() != p["manifest_sha256"]:
             raise ArtifactError(
                 f"{where}: attempt {p['run_id']}/{p['stage']}/{p['attempt']} is "
@@ -317,8 +447,12 @@ class ArtifactStore:
         m = self.manifest(run_id, stage)
         if m is None or "report.json" not in m.files:
             return None
-        raw = self.backend.get_bytes(self._key(run_id, stage, m.attempt, "report.json"))
-        return None if raw is None else json.loads(raw)
+        key = self._key(run_id, stage, m.attempt, "report.json")
+        raw = self.backend.get_bytes(key)
+        try:
+            return None if raw is None else json.loads(raw)
+        except ValueError as e:
+            raise ArtifactError(f"{self.backend.uri(key)}: corrupt report ({e})") from e
 
 
 def open_store(

@@ -25,6 +25,9 @@ class DataConfig:
     # k: each user's last k positions are test targets and the k before them validation targets (1 = the
     # papers' leave-one-out; more gives a small catalogue enough test lists: gr2/data/split.py).
     eval_positions: int = 1
+    # Share of the training lists (SFT, CFT, OPD, RL) cut to a random length 2..N-1, keeping the held-out item
+    # and the retriever order (gr2/candidates.py `shorten_some`): clients send any length from 2 to N.
+    short_list_share: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,10 @@ class EvalConfig:
     # speedup is the geometric mean over the repeats with a 95% interval, whose lower bound the gate reads (more
     # repeats, a narrower interval; docs/RESULTS.md, 'Timing noise and speed repeats', has the widths).
     speed_repeats: int = 10
+    # The report's table by list length: the test lists cut to each length (keeping the held-out item), decoded
+    # by `ar` and the deployed student (gr2/stages/evaluate.py `length_rows`); the full length N reuses the main
+    # rows.
+    list_lengths: tuple[int, ...] = (2, 3, 5, 7, 10)
 
 
 @dataclass(frozen=True)

@@ -221,16 +221,25 @@ class Evidence:
         own_targets: Sequence[str | None] | None = None,
         chunk: int = 5000,
     ) -> np.ndarray:
-        """[B, N, F] features (F = `feature_names`); all lists have the same length N. Chunked to bound memory."""
+        """[B, N, F] features (F = `feature_names`), N the longest list. Lists may differ in length (serving
+        batches what clients send): a shorter list's rows past its end are zeros, so read list i as
+        x[i, :len(candidates[i])]. Computed in groups of one length, chunked to bound memory."""
         histories, candidates = list(histories), list(candidates)
         own = list(own_targets) if own_targets is not None else [None] * len(histories)
-        parts = [
-            self._features(histories[lo : lo + chunk], candidates[lo : lo + chunk], own[lo : lo + chunk])
-            for lo in range(0, len(histories), chunk)
-        ]
-        return np.concatenate(parts) if parts else np.zeros((0, 0, len(self.feature_names)))
+        out = np.zeros((len(candidates), max(map(len, candidates), default=0), len(self.feature_names)))
+        by_length: dict[int, list[int]] = {}
+        for i, cs in enumerate(candidates):
+            by_length.setdefault(len(cs), []).append(i)
+        for n, rows in by_length.items():
+            for lo in range(0, len(rows), chunk):
+                part = rows[lo : lo + chunk]
+                out[part, :n] = self._features(
+                    [histories[i] for i in part], [candidates[i] for i in part], [own[i] for i in part]
+                )
+        return out
 
     def _features(self, histories, candidates, own) -> np.ndarray:
+        """[B, N, F] of lists that all have one length N."""
         cfg = self.config
         B = len(histories)
         N = len(candidates[0]) if B else 0

@@ -53,9 +53,11 @@ from gr2.prompt import (
     score_token,
 )
 from gr2.sid import SemanticIds
+from gr2.teacher import Teacher
 from gr2.tokenizer import load_tokenizer
 
 KIND = "generative"
+COLD_START = "cold_start"  # RankResult.ranker of a ranking the cold-start ranker made
 
 
 class Answer(NamedTuple):
@@ -110,12 +112,16 @@ class GenerativeReranker:
         )
         self.max_new_tokens = int(config["max_new_tokens"])
         self.batch_size = int(config.get("batch_size", 32))
+        # The ranker of users without usable history (gr2/stages/prepare.py fit_cold_start; bundles before it:
+        # none, the model decodes every request)
+        self.cold_start = Teacher.from_dict(config["cold_start"]) if config.get("cold_start") else None
         prompt = config.get("prompt", {})
         self.item_tokens = str(prompt.get("item_tokens", "all"))  # bundles before it: "all"
         # The answer labels every decoder writes at most once (bundles before it: no such rule).
         self.unique = None
         self.follow = None  # the answer follows the trace (bundles before it: no such rule)
         k = range(int(prompt.get("max_labels", 26)))
+        self.label_ids = frozenset(tokenizer.convert_tokens_to_ids([label_token(i) for i in k]))
         if prompt.get("unique_labels", False):
             self.unique = torch.tensor(tokenizer.convert_tokens_to_ids([answer_label_token(i) for i in k]))
             if prompt.get("follow_trace", False):
@@ -149,6 +155,18 @@ class GenerativeReranker:
     def rank(
         self, requests: list[RankRequest], decoder: str = "diffusion", tau: float = 0.9
     ) -> list[RankResult]:
+        """Rankings of lists of any lengths 2..N in one call (the decoder pads prompts; evidence pads lists). A
+        request without one known history id goes to the cold-start ranker when the bundle has one."""
+        cold = [
+            self.cold_start is not None and not any(h in self.sids.codes for h in r.history) for r in requests
+        ]
+        warm = [r for r, c in zip(requests, cold, strict=True) if not c]
+        decoded = iter(self.decode_requests(warm, decoder, tau) if warm else [])
+        cold_ranked = iter(self.cold_rank([r for r, c in zip(requests, cold, strict=True) if c]))
+        return [next(cold_ranked) if c else next(decoded) for c in cold]
+
+    def decode_requests(self, requests: list[RankRequest], decoder: str, tau: float) -> list[RankResult]:
+        """The model's own rankings."""
         prompts = self.encode_prompts([r.history for r in requests], [r.candidates for r in requests])
         out = self.decode(prompts, decoder, tau)
         per_nfe = out.nfe / max(len(requests), 1)  # nfe is shared by a batch; report the per-request share
@@ -167,7 +185,31 @@ class GenerativeReranker:
             )
         return results
 
+    def cold_rank(self, requests: list[RankRequest]) -> list[RankResult]:
+        """The cold-start ranker's rankings (always valid; no decoding): its listwise scores of each candidate's
+        evidence as for a user without history."""
+        if not requests:
+            return []
+        assert self.cold_start is not None  # `rank` routes here only then
+        x = self.evidence.features_batch([[] for _ in requests], [r.candidates for r in requests])
+        return [
+            RankResult(
+                ranking=[r.candidates[j] for j in self.cold_start.rank(x[i, : len(r.candidates)])],
+                valid=True,
+                reason=None,
+                nfe=0,
+                n_tokens=0,
+                trace=None,
+                ranker=COLD_START,
+            )
+            for i, r in enumerate(requests)
+        ]
+
     # ------------------------------------------------------------------ the pieces
+    def prompt_candidates(self, prompt: Sequence[int]) -> int:
+        """How many candidates a prompt lists (its label tokens; lists of any length 2..N are trained)."""
+        return sum(t in self.label_ids for t in prompt)
+
     def encode_prompts(
         self,
         histories: Sequence[Sequence[str]],
@@ -189,6 +231,7 @@ class GenerativeReranker:
         buckets = self.evidence.buckets(x)
         prompts = []
         for i, (hs, cs, b) in enumerate(zip(hist, candidates, buckets, strict=True)):
+            b = b[: len(cs)]  # a list shorter than the batch's longest: its own rows
             if orders is not None:  # each candidate moves with its own buckets
                 order = list(orders[i])
                 if sorted(order) != list(range(len(cs))):

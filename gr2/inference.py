@@ -42,6 +42,9 @@ class RankResult:
     nfe: int  # number of function (forward) evaluations spent decoding
     n_tokens: int  # tokens generated
     trace: str | None  # the reasoning trace, when the model writes one
+    # Who ranked: "model" (the reranker itself) or "cold_start" (a user without usable history: the bundle's
+    # cold-start ranker, gr2/generative.py)
+    ranker: str = "model"
 
 
 @runtime_checkable

@@ -119,6 +119,35 @@ def speed_markdown(speed: list[dict]) -> list[str]:
     return out
 
 
+def by_length_markdown(by_length: list[dict], cold: dict | None) -> list[str]:
+    """The report's tables of what clients send besides full lists: `ar` and the deployed student on the test
+    lists cut to each length, and the cold-start path on the test lists without their histories."""
+    out: list[str] = []
+    if by_length:
+        out += ["", "## By list length (the test lists cut to each length, the held-out item kept)", ""]
+        out += ["| model | tau | length | lists | R@1 | floor R@1 | ΔR@1 vs floor | validity |"]
+        out += ["|---|---|---|---|---|---|---|---|"]
+        for r in by_length:
+            d = r["recall@1"] - r["floor_recall@1"]
+            out += [
+                f"| {r['model']} | {fmt_value(r.get('tau'), 2)} | {r['length']} | {r['lists']} "
+                f"| {fmt_value(r['recall@1'], 3)}{fmt_ci(r, 'recall@1')} | {fmt_value(r['floor_recall@1'], 3)} "
+                f"| {d:+.3f}{fmt_ci(r, 'recall@1', 'delta_vs_floor', sign=True)} | {fmt_value(r['validity'], 3)} |"
+            ]
+    if cold:
+        d = (cold.get("delta_vs_floor_mean") or {}).get("recall@1", 0.0)
+        out += ["", "## Cold start (the test lists with their histories removed, as serving ranks them)", ""]
+        out += ["| served by | rankers | lists | R@1 | ΔR@1 vs floor | validity | lists reordered |"]
+        out += ["|---|---|---|---|---|---|---|"]
+        out += [
+            f"| {cold.get('served_by')} | {', '.join(f'{k} {v}' for k, v in (cold.get('ranker') or {}).items())} "
+            f"| {sum((cold.get('ranker') or {}).values())} | {fmt_value(cold['recall@1'], 3)}{fmt_ci(cold, 'recall@1')} "
+            f"| {d:+.3f}{fmt_ci(cold, 'recall@1', 'delta_vs_floor', sign=True)} | {fmt_value(cold['validity'], 3)} "
+            f"| {fmt_value(cold.get('reordered'), 3)} |"
+        ]
+    return out
+
+
 def render_markdown(report: dict, plots: list[str] | None = None) -> str:
     """Markdown: header facts, the rows table (metrics with 95% CIs, R@1 delta vs floor), retriever, gate."""
     out = [f"# Report: {report.get('dataset', '?')} / profile {report.get('profile', '?')}", ""]
@@ -166,6 +195,7 @@ def render_markdown(report: dict, plots: list[str] | None = None) -> str:
                 f"| {r.get('model')} | {fmt_value(r.get('tau'), 2)} | {t['lists']} | {fmt_value(t['recall@1'], 3)} "
                 f"| {fmt_value(r.get('recall@1'), 3)} | {fmt_value(t.get('answer_follows'), 3)} |"
             ]
+    out += by_length_markdown(report.get("by_length") or [], report.get("cold_start"))
     speed = report.get("speed") or []
     if speed:
         out += ["", "## Decode speed (measured side by side in one process)", "", *speed_markdown(speed)]

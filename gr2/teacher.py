@@ -160,7 +160,7 @@ class Teacher:
         r = self.rank(features)[:, :k]
         return float((r == np.asarray(labels)[:, None]).any(1).mean())
 
-    def save(self, path: str | Path) -> None:
+    def to_dict(self) -> dict:
         raw = {
             "weights": self.weights.tolist(),
             "mean": self.mean.tolist(),
@@ -170,11 +170,10 @@ class Teacher:
         }
         if self.bucket_edges is not None and self.bucket_values is not None:
             raw |= {"bucket_edges": self.bucket_edges.tolist(), "bucket_values": self.bucket_values.tolist()}
-        Path(path).write_text(json.dumps(raw))
+        return raw
 
     @classmethod
-    def load(cls, path: str | Path) -> Teacher:
-        raw = json.loads(Path(path).read_text())
+    def from_dict(cls, raw: dict) -> Teacher:
         return cls(
             weights=np.asarray(raw["weights"]),
             mean=np.asarray(raw["mean"]),
@@ -184,6 +183,13 @@ class Teacher:
             bucket_edges=np.asarray(raw["bucket_edges"]) if "bucket_edges" in raw else None,
             bucket_values=np.asarray(raw["bucket_values"]) if "bucket_values" in raw else None,
         )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Teacher:
+        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 def fit_teacher(
@@ -253,7 +259,8 @@ def build_sft_records(
     variant: str = "trace",
     stats: dict | None = None,
 ) -> list[SFTRecord]:
-    """One record per training list of `examples` (features [L, N, F] and their buckets in the same row order).
+    """One record per training list of `examples` (features [L, N, F] and their buckets in the same row order;
+    a list shorter than N reads its own rows, as `Evidence.features_batch` pads it).
 
     variant "trace": trace + answer; "ar_no_trace": the same answer alone, so the two variants differ only by
     the trace."""
@@ -266,14 +273,19 @@ def build_sft_records(
     records: list[SFTRecord] = []
     trace_len, prompt_len = [], []
     rows = zip(examples["history"], examples["candidates"], strict=True)
+    hits = []
     for r, (hist, cands) in enumerate(tqdm(rows, total=len(examples), disable=None, desc=f"sft ({variant})")):
-        trace = render_trace(levels[r]) if variant == "trace" else None
+        n = len(cands)
+        trace = render_trace(levels[r, :n].tolist()) if variant == "trace" else None
+        hits.append(int(np.argmax(scores[r, :n])) == labels[r])
         p, resp, w = encode_example(
             tokenizer,
             [sids.codes[i] for i in hist if i in sids.codes],
             [sids.codes[c] for c in cands],
-            buckets[r],
-            answer_ranking(scores[r], int(labels[r]), cfg.teacher.answer, levels[r]),
+            buckets[r, :n],
+            answer_ranking(
+                scores[r, :n].tolist(), int(labels[r]), cfg.teacher.answer, levels[r, :n].tolist()
+            ),
             trace,
             feature_names,
             cfg.sft.answer_weight,
@@ -293,6 +305,6 @@ def build_sft_records(
             mean_trace_tokens=float(np.mean(trace_len)) if trace_len else 0.0,
             mean_answer_tokens=float(np.mean(answer_len)) if answer_len else 0.0,
             # How often the teacher's own first choice is the held-out item on these training lists.
-            teacher_recall_at_1=float((np.argmax(scores, axis=1) == labels).mean()) if len(labels) else 0.0,
+            teacher_recall_at_1=float(np.mean(hits)) if hits else 0.0,
         )
     return records

@@ -2,9 +2,12 @@
 
 The first queued item opens a batch; the batch closes when it holds `max_batch` items or `max_wait_ms` has
 passed (requests that queued while the previous batch ran join at once, so max_wait_ms=0 is pure greedy
-batching: no added latency when idle, natural batches under load). Items are grouped by (decoder, tau) because `Reranker.rank` takes one of each per call, and each
-group runs in a single-thread executor (one model call at a time: torch models are not re-entrant, and the
-event loop stays free to accept requests and answer health probes, kserve#3950).
+batching: no added latency when idle, natural batches under load). Items are grouped by (decoder, tau) because
+`Reranker.rank` takes one of each per call; lists of different lengths share a call (the model pads them: padding
+measured faster than a call per length, docs/SERVING.md). Each group runs in a single-thread executor (one model
+call at a time: torch models are not re-entrant, and the event loop stays free to accept requests and answer
+health probes, kserve#3950). When a shared call fails, each of its requests runs alone, so a request that fails
+fails only itself.
 """
 
 from __future__ import annotations
@@ -88,34 +91,36 @@ class MicroBatcher:
         return batch
 
     async def _run(self, queue: asyncio.Queue[_Item]) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             batch = await self._collect(queue)
             groups: dict[tuple[str, float], list[_Item]] = {}
             for it in batch:
                 groups.setdefault((it.decoder, it.tau), []).append(it)
             for (decoder, tau), items in groups.items():
-                t0 = time.perf_counter()
-                metrics.observe_batch(decoder, [t0 - it.t_enqueue for it in items])
+                metrics.observe_batch(decoder, [time.perf_counter() - it.t_enqueue for it in items])
                 try:
-                    results = await loop.run_in_executor(
-                        self.executor, self.rank, [it.request for it in items], decoder, tau
-                    )
-                    if len(results) != len(items):
-                        raise RuntimeError(
-                            f"rank() returned {len(results)} results for {len(items)} requests"
-                        )
-                except Exception as e:  # the error goes to every waiting request; the worker keeps running
-                    log.exception("rank() failed for a batch of %d", len(items))
-                    for it in items:
-                        if not it.future.done():
-                            it.future.set_exception(e)
-                    continue
-                t1 = time.perf_counter()
-                self.batches_run += 1
-                self.largest_batch = max(self.largest_batch, len(items))
-                for it, res in zip(items, results, strict=True):
-                    if not it.future.done():
-                        it.future.set_result(
-                            Timed(res, (t0 - it.t_enqueue) * 1000, (t1 - t0) * 1000, len(items))
-                        )
+                    await self._decode(items, decoder, tau)
+                except Exception:  # any failure of the shared call: each request alone, below
+                    log.exception("rank() failed for a batch of %d: each request runs alone", len(items))
+                    for it in items:  # one request's failure (or shape) never fails another's
+                        try:
+                            await self._decode([it], decoder, tau)
+                        except Exception as e:  # the worker keeps running
+                            if not it.future.done():
+                                it.future.set_exception(e)
+
+    async def _decode(self, items: list[_Item], decoder: str, tau: float) -> None:
+        """One rank() call for `items` (lists of any lengths: the model pads them), off the event loop; each
+        item's future gets its result."""
+        t0 = time.perf_counter()
+        results = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.rank, [it.request for it in items], decoder, tau
+        )
+        if len(results) != len(items):
+            raise RuntimeError(f"rank() returned {len(results)} results for {len(items)} requests")
+        t1 = time.perf_counter()
+        self.batches_run += 1
+        self.largest_batch = max(self.largest_batch, len(items))
+        for it, res in zip(items, results, strict=True):
+            if not it.future.done():
+                it.future.set_result(Timed(res, (t0 - it.t_enqueue) * 1000, (t1 - t0) * 1000, len(items)))

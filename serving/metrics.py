@@ -10,6 +10,7 @@ annotation has Knative's queue-proxy merge them into what Prometheus scrapes).
 | `gr2_queue_seconds` | histogram | decoder | how long an instance waited for its batch |
 | `gr2_tokens_per_forward` | histogram | decoder | tokens generated per forward pass, per ranking of a decoding model (nfe > 0) |
 | `gr2_rankings_total` | counter | decoder, outcome | rankings served, outcome "valid" or "fallback" (validity = valid / all) |
+| `gr2_cold_start_rankings_total` | counter | decoder | of those, rankings the cold-start ranker made (a user without known history; the decoder asked for) |
 
 Every series is created at import for the known label values, so a rate over a window that starts before the
 first request still counts the first increment. The canary analysis (serving/canary.py) queries these names.
@@ -52,6 +53,9 @@ TOKENS_PER_FORWARD = Histogram(
     buckets=(1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16),
 )
 RANKINGS = Counter("gr2_rankings", "Rankings served, valid or fallback", ["decoder", "outcome"])
+COLD_START = Counter(
+    "gr2_cold_start_rankings", "Rankings made by the cold-start ranker (no known history)", ["decoder"]
+)
 
 UNKNOWN, MIXED = "unknown", "mixed"
 for _d in (*DECODERS, MIXED):
@@ -60,6 +64,7 @@ for _d in (*DECODERS, MIXED):
         _m.labels(_d)
     for _o in ("valid", "fallback"):
         RANKINGS.labels(_d, _o)
+    COLD_START.labels(_d)
 for _s in ("400", "413", "500"):
     REQUESTS.labels(_s, UNKNOWN)
 
@@ -80,6 +85,8 @@ def observe_request(status: str, predictions: list[dict[str, Any]], seconds: flo
     LATENCY.labels(decoder).observe(seconds)
     for p in predictions:
         RANKINGS.labels(p["decoder"], "valid" if p["valid"] else "fallback").inc()
+        if p.get("ranker") == "cold_start":
+            COLD_START.labels(p["decoder"]).inc()
         if p["nfe"]:
             TOKENS_PER_FORWARD.labels(p["decoder"]).observe(p["n_tokens"] / p["nfe"])
 

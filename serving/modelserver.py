@@ -15,16 +15,20 @@ import asyncio
 import json
 import logging
 import re
-from typing import Any
+from collections import Counter
+from http import HTTPStatus
+from typing import Any, ClassVar
 
+import h11
 import uvicorn
 from kserve.errors import InvalidInput, ModelNotFound, ModelNotReady, ServerNotReady
 from kserve.protocol.dataplane import DataPlane
 from starlette.requests import Request
 from starlette.responses import JSONResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from serving import metrics
-from serving.schema import BadRequest, ServeConfig, UpstreamError, cut, shown, validate_body
+from serving.schema import BadRequest, ServeConfig, UpstreamError, cut, printable, shown, validate_body
 
 log = logging.getLogger("serving.edge")
 
@@ -35,19 +39,137 @@ MODEL_CONTROL = "/v2/repository/"  # kserve's load / unload endpoints
 _original_config_init = uvicorn.Config.__init__
 
 
-def force_bind_host(host: str) -> None:
-    """Make every uvicorn.Config created from now on bind `host` (kserve passes 0.0.0.0)."""
+def force_uvicorn_config(**settings: Any) -> None:
+    """Make every uvicorn.Config created from now on use `settings` (kserve creates it: host 0.0.0.0, its own
+    timeout_keep_alive, uvicorn's default HTTP implementation)."""
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        kwargs["host"] = host
+        kwargs.update(settings)
         _original_config_init(self, *args, **kwargs)
 
     uvicorn.Config.__init__ = init  # type: ignore[method-assign]
 
 
 def log_rejection(method: str, path: str, status: int, message: str) -> None:
-    """The one line a rejected request leaves in the log: no traceback, client echoes cut short."""
-    log.warning("%s %s -> %d %s", method, cut(path, 120), status, cut(message, 300))
+    """The one line a rejected request leaves in the log: no traceback, client echoes cut short and escaped."""
+    log.warning("%s %s -> %d %s", method, printable(cut(path, 120)), status, printable(cut(message, 300)))
+
+
+def raw_response(status: int, message: str) -> bytes:
+    """A whole HTTP/1.1 error answer, {"error": message}, that closes the connection: for the server's own
+    refusals before any request exists (an unfinished or oversized head)."""
+    body = json.dumps({"error": message}).encode()
+    reason = HTTPStatus(status).phrase
+    head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+    return (head + "connection: close\r\n\r\n").encode() + body
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the bounds uvicorn leaves out (docs/SECURITY.md). h11 caps an unfinished request
+    head at `h11_max_incomplete_event_size` bytes (set to limits.max_header_bytes; httptools, uvicorn's choice
+    when installed, has no cap: a 64 MB header was accepted). Added here:
+
+    - a connection that has sent nothing, new or between requests, is closed after `timeout_keep_alive`
+      (uvicorn arms that timer only after a first response: a silent connection stayed open for ever);
+    - a request head that has begun must be complete within limits.header_timeout_s, else 408 and close (one
+      header byte every 10 s kept a connection open for ever);
+    - a head over the cap is answered 431 naming it, not uvicorn's bare 400.
+    The body's own time limit is `RequestGuardMiddleware`'s."""
+
+    limits: ClassVar[ServeConfig] = ServeConfig()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self.head_timer is None:  # the first bytes of a head: the whole head within the limit
+                self.head_timer = self.loop.call_later(self.limits.header_timeout_s, self.head_timeout)
+        elif self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+        super().connection_lost(exc)
+
+    def head_timeout(self) -> None:
+        self.head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.refuse(408, f"headers: not received within {self.limits.header_timeout_s:g} s")
+
+    def send_400_response(self, msg: str) -> None:
+        """What uvicorn sends for a head h11 refuses: 431 when it is over the cap, else 400."""
+        if len(self.conn.trailing_data[0]) > self.limits.max_header_bytes:
+            self.refuse(431, f"headers: the request head exceeds {self.limits.max_header_bytes} bytes")
+        else:
+            self.refuse(400, f"request: not valid HTTP/1.1 ({msg})")
+
+    def refuse(self, status: int, message: str) -> None:
+        log_rejection("-", "-", status, message)
+        metrics.observe_rejected(status)
+        self.transport.write(raw_response(status, message))
+        self.transport.close()
+
+
+class PrintableLogs(logging.Filter):
+    """Escapes the client's text in every log line (`printable`): a URL path with %0A reaches kserve's timing
+    log decoded, and a field name or path could otherwise start a forged line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = printable(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(printable(a) if isinstance(a, str) else a for a in record.args)
+        return True
+
+
+def escape_all_logs() -> None:
+    """`PrintableLogs` on every handler configured so far (kserve's, uvicorn's, the root's)."""
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]
+    for handler in {h for lg in loggers for h in lg.handlers}:
+        if not any(isinstance(f, PrintableLogs) for f in handler.filters):
+            handler.addFilter(PrintableLogs())
+
+
+# Headers a request may carry once: a second Content-Type was read by the guard while FastAPI read the other.
+SINGLE_HEADERS = (
+    b"content-type",
+    b"content-length",
+    b"host",
+    b"authorization",
+    b"x-request-id",
+    b"x-b3-traceid",
+)
+# What kserve's transformer forwards to its predictor (kserve.model._FORWARDABLE_HEADERS): httpx refuses to send
+# a non-ASCII value, which made a client's header a 502.
+FORWARDED_HEADERS = (b"authorization", b"x-request-id", b"x-b3-traceid")
+
+
+def check_headers(headers: list[tuple[bytes, bytes]], cfg: ServeConfig) -> None:
+    """Raises BadRequest (431 or 400, naming the header) for too many header fields or bytes, a header that may
+    appear once sent twice, or a forwarded header that is not printable ASCII."""
+    if len(headers) > cfg.max_headers:
+        raise BadRequest(f"headers: {len(headers)} header fields (the limit is {cfg.max_headers})", 431)
+    size = sum(len(name) + len(value) + 4 for name, value in headers)  # as sent: "name: value\r\n"
+    if size > cfg.max_header_bytes:  # a head that arrived whole (h11 caps one still arriving)
+        raise BadRequest(f"headers: the request head exceeds {cfg.max_header_bytes} bytes ({size})", 431)
+    names = Counter(name for name, _ in headers)
+    for name in SINGLE_HEADERS:
+        if names[name] > 1:
+            raise BadRequest(f"{name.decode()}: sent {names[name]} times (send it once)")
+    for name, value in headers:
+        if name in FORWARDED_HEADERS and not all(0x20 <= b < 0x7F for b in value):
+            raise BadRequest(f"{name.decode()}: must be printable ASCII (it is forwarded to the predictor)")
 
 
 class OneLineClientErrors(logging.Filter):
@@ -100,6 +222,12 @@ class RequestGuardMiddleware:
             log_rejection(method, path, status, message)
             await _send_error(send, status, message)
 
+        raw_headers = list(scope.get("headers") or [])
+        try:
+            check_headers(raw_headers, self.cfg)
+        except BadRequest as e:
+            await reject(e.status, str(e))
+            return
         if path.startswith(MODEL_CONTROL) and not self.model_control:
             await reject(
                 403, "model control is off (start the server with --enable_model_control to allow it)"
@@ -108,7 +236,7 @@ class RequestGuardMiddleware:
         if method not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
+        headers = dict(raw_headers)  # each header this reads appears once (`check_headers`)
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await reject(
@@ -212,7 +340,13 @@ def start_model_server(
     import kserve.model_server
 
     cfg = cfg or ServeConfig()
-    force_bind_host(host)
+    protocol = type("BoundedH11Protocol", (BoundedH11Protocol,), {"limits": cfg})
+    force_uvicorn_config(
+        host=host,
+        http=protocol,
+        h11_max_incomplete_event_size=cfg.max_header_bytes,
+        timeout_keep_alive=cfg.idle_timeout_s,
+    )
     app = kserve.model_server.app
     app.add_middleware(
         RequestGuardMiddleware,
@@ -225,4 +359,5 @@ def start_model_server(
     logging.getLogger("kserve").addFilter(OneLineClientErrors())  # the logger kserve.errors' handlers use
     server = kserve.ModelServer(http_port=http_port, enable_grpc=False, workers=1)
     server.dataplane = ProbeDataPlane(model_registry=server.registered_models)
+    escape_all_logs()  # after kserve configured its loggers
     server.start(models)

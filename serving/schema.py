@@ -63,12 +63,20 @@ class ServeConfig:
     body_timeout_s: float = 10.0  # a body not fully received by then gets 408 (slow or half-sent bodies)
     max_depth: int = 8  # JSON nesting; a valid request needs 4 (body, instances, instance, candidates)
     min_candidates: int = 2  # fewer is not a ranking problem
-    # Edge cap per instance, before any feature lookup; the predictor then holds a list to its model's N.
+    # Edge cap per instance, before any feature lookup (serve_local sets it to a local model's N, --max_candidates
+    # otherwise); the predictor then holds a list to its model's N.
     max_candidates: int = 100
     max_history: int = 1000  # hard cap on a client-sent history (the model itself reads the last H)
     # The transformer forwards at most the newest this-many ids of a Feast history (the models read H = 20).
     max_filled_history: int = 100
     max_id_len: int = 256
+    # The HTTP server's own bounds (serving/modelserver.py, docs/SECURITY.md), not only the mesh's:
+    max_header_bytes: int = 32 * 1024  # a request line + headers larger than this: 431, connection closed
+    max_headers: int = 100  # more header fields: 431
+    header_timeout_s: float = 10.0  # a request head begun but not complete within this: 408, closed
+    # A connection without a request in progress (new, or between requests) is closed after this. Above the 60 s
+    # idle timeout of the usual load balancers, so that they close first (kserve's default is 65 too).
+    idle_timeout_s: int = 65
     decoders: tuple[str, ...] = DECODERS
     default_decoder: str = "diffusion"
     default_tau: float = 0.9  # a diffusion model whose bundle names its operating tau serves at that instead
@@ -96,6 +104,12 @@ def cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
+def printable(text: str) -> str:
+    """`text` with every character that is not printable (newlines, control characters, lone surrogates)
+    written as its escape: a client's field name or URL path cannot start a forged log line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def shown(value: Any, limit: int = 40) -> str:
     """repr(value), cut to `limit` characters."""
     return cut(repr(value), limit)
@@ -114,8 +128,27 @@ def json_depth(text: str) -> int:
     return deepest
 
 
+class LongInteger:
+    """An integer literal too long to be a value of this API (Python refuses to convert more than 4,300 digits,
+    and a 10^400 tau overflows a float): parsed as this marker, which every field check refuses by name."""
+
+    def __init__(self, digits: str):
+        self.digits = len(digits.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+
+MAX_INT_DIGITS = 20  # an int64 has 19 digits; no field of this API needs more
+
+
+def _parse_int(text: str) -> int | LongInteger:
+    return int(text) if len(text) <= MAX_INT_DIGITS else LongInteger(text)
+
+
 def parse_json(body: bytes | str, where: str, cfg: ServeConfig) -> Any:
-    """JSON within the depth limit. NaN, Infinity and 1e999 parse to floats that the field checks refuse."""
+    """JSON within the depth limit. NaN, Infinity and 1e999 parse to floats, and integers of more than
+    MAX_INT_DIGITS digits to a `LongInteger`, that the field checks refuse."""
     try:
         text = body.decode("utf-8") if isinstance(body, bytes) else body
     except UnicodeDecodeError as e:
@@ -126,7 +159,7 @@ def parse_json(body: bytes | str, where: str, cfg: ServeConfig) -> Any:
     if depth > cfg.max_depth:
         raise BadRequest(f"{where}: JSON nested {depth} levels deep (the limit is {cfg.max_depth})")
     try:
-        return json.loads(text)
+        return json.loads(text, parse_int=_parse_int)
     except json.JSONDecodeError as e:
         raise BadRequest(f"{where}: malformed JSON ({e})") from e
 
@@ -147,9 +180,13 @@ def parse_options(raw: dict[str, Any], where: str, cfg: ServeConfig, base: Optio
     given = "tau" in raw or base.tau_given
     default = cfg.default_spec_tau if decoder == "spec" else cfg.default_tau
     tau = raw.get("tau", base.tau if base.tau_given else default)
-    if isinstance(tau, bool) or not isinstance(tau, int | float) or not math.isfinite(tau):
+    if (
+        isinstance(tau, bool)
+        or not isinstance(tau, int | float)
+        or (isinstance(tau, float) and not math.isfinite(tau))
+    ):
         raise BadRequest(f"{where}.tau: must be a finite number, got {shown(tau)}")
-    if not cfg.min_tau <= tau <= cfg.max_tau:
+    if not cfg.min_tau <= tau <= cfg.max_tau:  # exact for any int: no float(10**400) overflow
         raise BadRequest(f"{where}.tau: must be within [{cfg.min_tau}, {cfg.max_tau}], got {shown(tau)}")
     trace = raw.get("trace", base.trace)
     if not isinstance(trace, bool):
@@ -157,12 +194,20 @@ def parse_options(raw: dict[str, Any], where: str, cfg: ServeConfig, base: Optio
     return Options(decoder, float(tau), trace, given)
 
 
-def check_id(value: Any, where: str, cfg: ServeConfig) -> str:
-    if not isinstance(value, str) or not value or len(value) > cfg.max_id_len:
-        raise BadRequest(
-            f"{where}: must be a non-empty string of at most {cfg.max_id_len} chars, got {shown(value)}"
-        )
+def check_text(value: Any, where: str, limit: int) -> str:
+    """A non-empty string of at most `limit` characters that is valid Unicode (a JSON escape like "\\ud800"
+    decodes to a lone surrogate, which no UTF-8 encoder downstream can write: kserve's orjson, httpx, logs)."""
+    if not isinstance(value, str) or not value or len(value) > limit:
+        raise BadRequest(f"{where}: must be a non-empty string of at most {limit} chars, got {shown(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{where}: not valid Unicode ({e.reason} at {e.start}), got {shown(value)}") from e
     return value
+
+
+def check_id(value: Any, where: str, cfg: ServeConfig) -> str:
+    return check_text(value, where, cfg.max_id_len)
 
 
 def check_instance(
@@ -190,10 +235,14 @@ def check_instance(
         seen[c] = j
     history = raw.get("history")
     if history is not None:
-        if not isinstance(history, list) or not all(isinstance(h, str) for h in history):
-            raise BadRequest(f"{where}.history: must be a list of item id strings")
+        if not isinstance(history, list):
+            raise BadRequest(
+                f"{where}.history: must be a list of item id strings, got {type(history).__name__}"
+            )
         if len(history) > cfg.max_history:
             raise BadRequest(f"{where}.history: too long ({len(history)} > {cfg.max_history})")
+        for j, h in enumerate(history):
+            check_id(h, f"{where}.history[{j}]", cfg)
     return user_id, cands, history, parse_options(raw, where, cfg, base)
 
 
@@ -261,8 +310,8 @@ def v2_body(payload: Any, cfg: ServeConfig) -> tuple[list[Any], Any]:
     if "inputs" not in payload:
         raise BadRequest('inputs: missing (body must be {"inputs": [one BYTES input of JSON instances]})')
     check_keys(payload, V2_KEYS, "")
-    if payload.get("id") is not None and not isinstance(payload["id"], str):
-        raise BadRequest(f"id: must be a string, got {shown(payload['id'])}")
+    if payload.get("id") is not None:  # echoed back in the answer: as bounded as any id
+        check_id(payload["id"], "id", cfg)
     inputs = payload["inputs"]
     if not isinstance(inputs, list) or len(inputs) != 1:
         got = len(inputs) if isinstance(inputs, list) else type(inputs).__name__
@@ -273,8 +322,7 @@ def v2_body(payload: Any, cfg: ServeConfig) -> tuple[list[Any], Any]:
             f"inputs[0]: must be an object with name, shape, datatype and data, got {type(inp).__name__}"
         )
     check_keys(inp, V2_INPUT_KEYS, "inputs[0]")
-    if not isinstance(inp.get("name"), str) or not inp["name"]:
-        raise BadRequest(f"inputs[0].name: must be a non-empty string, got {shown(inp.get('name'))}")
+    check_id(inp.get("name"), "inputs[0].name", cfg)
     if inp.get("datatype") != "BYTES":
         raise BadRequest(
             f"inputs[0].datatype: must be BYTES (JSON instances), got {shown(inp.get('datatype'))}"
@@ -283,8 +331,11 @@ def v2_body(payload: Any, cfg: ServeConfig) -> tuple[list[Any], Any]:
         if not isinstance(inp["parameters"], dict):
             raise BadRequest("inputs[0].parameters: must be an object")
         check_keys(inp["parameters"], V2_INPUT_PARAMETERS, "inputs[0].parameters")
+        for key, value in inp["parameters"].items():  # what kserve's v2 model accepts: a string here
+            check_text(value, f"inputs[0].parameters.{key}", 64)
     data = parse_instances_list(inp.get("data"), "inputs[0].data", cfg)
-    if inp.get("shape") != [len(data)]:
+    shape = inp.get("shape")
+    if not isinstance(shape, list) or [type(x) for x in shape] != [int] or shape != [len(data)]:
         raise BadRequest(
             f"inputs[0].shape: must be [{len(data)}] for {len(data)} data elements, got {shown(inp.get('shape'))}"
         )
@@ -294,6 +345,8 @@ def v2_body(payload: Any, cfg: ServeConfig) -> tuple[list[Any], Any]:
             isinstance(o, dict) and o.get("name") == OUTPUT for o in outputs
         ):
             raise BadRequest(f"outputs: the only output is [{{'name': '{OUTPUT}'}}], got {shown(outputs)}")
+        for k, o in enumerate(outputs):
+            check_keys(o, {"name"}, f"outputs[{k}]")
     instances = []
     for i, d in enumerate(data):
         if isinstance(d, bytes | str):
@@ -370,6 +423,7 @@ def format_result(
         "nfe": res.nfe,
         "n_tokens": res.n_tokens,
         "model": model,
+        "ranker": res.ranker,  # "model", or "cold_start": no known history id (gr2/generative.py)
         "decoder": opts.decoder,
         "tau": None if opts.decoder == "ar" else opts.tau,  # spec: the draft's tau
         "timing_ms": timing,

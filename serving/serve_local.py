@@ -128,6 +128,23 @@ def running(args: list[str], model_name: str, log: Path | None = None) -> Iterat
             stop(proc)
 
 
+# The server's connection bounds (serving/modelserver.py), passed on to the predictor child of `--role all`.
+CONNECTION_LIMITS = ("max_header_bytes", "max_headers", "header_timeout_s", "idle_timeout_s")
+
+
+def model_candidates(model_uri: str | None) -> int | None:
+    """The N of a local model directory (its reranker.json), else None (a storage URI is read by the predictor)."""
+    from gr2.inference import RerankerLoadError, read_config
+
+    if not model_uri or "://" in model_uri:
+        return None
+    try:
+        n = read_config(model_uri).get("n_candidates")
+    except RerankerLoadError:
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 2 else None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from serving.transformer import TransformerConfig  # lazy: imports kserve
 
@@ -154,6 +171,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=ServeConfig.body_timeout_s,
         help="a request body not fully received within this gets 408",
+    )
+    p.add_argument(
+        "--max_candidates",
+        type=int,
+        default=None,
+        help="candidates per instance (default: the model's N when --model_uri is a local bundle, else "
+        f"{ServeConfig.max_candidates}): the transformer refuses more before any feature lookup",
+    )
+    p.add_argument("--max_header_bytes", type=int, default=ServeConfig.max_header_bytes)
+    p.add_argument("--max_headers", type=int, default=ServeConfig.max_headers)
+    p.add_argument(
+        "--header_timeout_s",
+        type=float,
+        default=ServeConfig.header_timeout_s,
+        help="a request head begun but not complete within this gets 408",
+    )
+    p.add_argument(
+        "--idle_timeout_s",
+        type=int,
+        default=ServeConfig.idle_timeout_s,
+        help="a connection without a request in progress is closed after this",
     )
     p.add_argument(
         "--predictor_timeout_s",
@@ -208,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
         max_wait_ms=a.max_wait_ms,
         max_body_bytes=a.max_body_bytes,
         body_timeout_s=a.body_timeout_s,
+        max_candidates=a.max_candidates or model_candidates(a.model_uri) or ServeConfig.max_candidates,
+        max_header_bytes=a.max_header_bytes,
+        max_headers=a.max_headers,
+        header_timeout_s=a.header_timeout_s,
+        idle_timeout_s=a.idle_timeout_s,
     )
     if a.role == "predictor" or (a.role == "all" and not (a.feast_repo or a.feast_url)):
         serve_predictor(a, cfg)
@@ -239,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         "--body_timeout_s",
         str(a.body_timeout_s),
         *(["--enable_model_control"] if a.enable_model_control else []),
+        *[f"--{k}={getattr(cfg, k)}" for k in CONNECTION_LIMITS],
     ]
     # A SIGTERM before the transformer's server takes over the signal must still run the `finally` below
     # (Python's default action would exit at once and orphan the predictor child). It is held until the `try`

@@ -144,11 +144,14 @@ def evaluate_models(
         test = test.head(prof.data.max_eval_examples)
     report = json.loads((Path(floor_report_dir) / "report.json").read_text())
     paths = {name: bundle_dir(p) for name, p in bundles.items() if p}
-    rows, speed = evaluate_generative(paths, test, prof)
+    ev = evaluate_generative(paths, test, prof)
+    rows = ev.rows
     if sft_dir is not None:
         rows = [teacher_row(SFTData.load(sft_dir), test, prof), *rows]
     report["rows"] = report["rows"] + rows
-    report["speed"] = speed
+    report["speed"] = ev.speed
+    report["by_length"] = ev.by_length
+    report["cold_start"] = ev.cold_start
     report["training"] = {
         name: json.loads((p / "reranker.json").read_text()).get("train") for name, p in paths.items()
     }

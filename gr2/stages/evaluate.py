@@ -15,17 +15,20 @@ import gc
 import logging
 import math
 import statistics
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 import scipy.stats
 import torch
 
+from gr2.candidates import cut_lists
 from gr2.config import EvalConfig, Profile
 from gr2.generative import Answer, GenerativeReranker
-from gr2.inference import load_reranker
+from gr2.inference import RankRequest, load_reranker
 from gr2.metrics import evaluate
 from gr2.prompt import parse_trace
 from gr2.stages.prepare import SFTData, list_features
@@ -54,10 +57,11 @@ def decode_answers(
     model: GenerativeReranker, examples: pd.DataFrame, decoder: str, tau: float | None, profile: Profile
 ) -> tuple[list[Answer], list[list[int]]]:
     """Greedy decoding of `examples` as the evaluation scores it: (answers, responses)."""
-    prompts = model.encode_prompts(examples["history"].tolist(), examples["candidates"].tolist())
+    candidates = examples["candidates"].tolist()
+    prompts = model.encode_prompts(examples["history"].tolist(), candidates)
     out = model.decode(prompts, decoder, tau or 1.0, profile.eval.batch_size)
-    n = profile.data.n_candidates
-    return [model.read_answer(r, n) for r in out.responses], out.responses
+    answers = [model.read_answer(r, len(c)) for r, c in zip(out.responses, candidates, strict=True)]
+    return answers, out.responses
 
 
 def decode_rows(
@@ -80,19 +84,19 @@ def decode_rows(
             reasons[str(a.reason)] = reasons.get(str(a.reason), 0) + 1
     row["invalid_reasons"] = reasons
     row["mean_response_tokens"] = sum(len(r) for r in responses) / max(len(responses), 1)
-    trace = trace_summary(answers, examples["label"].tolist(), profile.data.n_candidates)
+    trace = trace_summary(answers, examples["label"].tolist(), examples["candidates"].map(len).tolist())
     if trace is not None:
         row["trace"] = trace
     return row
 
 
-def trace_summary(answers: Sequence[Answer], labels: list[int], n: int) -> dict | None:
+def trace_summary(answers: Sequence[Answer], labels: list[int], sizes: Sequence[int]) -> dict | None:
     """What a model's traces carry and whether its answers follow them, over the lists with a complete trace:
     `recall@1` of the trace's own ranking (its highest score level first; ties keep the retriever order) and
     `answer_follows`, the share of valid answers whose first label has the trace's highest level. None for a
     model that writes no trace."""
     parsed = []
-    for a, y in zip(answers, labels, strict=True):
+    for a, y, n in zip(answers, labels, sizes, strict=True):
         lv = parse_trace(a.trace, n)
         if lv is not None:
             parsed.append((a, lv, y))
@@ -189,11 +193,18 @@ def speed_table(
     return speed
 
 
+class Evaluation(NamedTuple):
+    rows: list[dict]  # accuracy rows on the test lists
+    speed: list[dict]  # `speed_table`
+    by_length: list[dict]  # `length_rows` of ar and the deployed student
+    cold_start: dict  # `cold_start_row` of the deployed student
+
+
 def evaluate_generative(
     bundles: Mapping[str, str | Path], test: pd.DataFrame, profile: Profile
-) -> tuple[list[dict], list[dict]]:
+) -> Evaluation:
     """Rows for every bundle (AR models decoded AR; diffusion models at each tau, naive and opd at eval_tau),
-    a `spec` row, and the speed list.
+    a `spec` row, the speed list, `ar` and the deployed student by list length, and the cold-start row.
 
     `bundles` maps a row name to a bundle; the AR teacher must be under "ar" (the speed baseline). `spec` is
     speculative decoding at spec_tau: the final student (rl, else opd, else cft) drafts, "ar" verifies, so its
@@ -235,4 +246,77 @@ def evaluate_generative(
                 speedup_vs_ar=s["speedup_vs_ar"],
                 speedup_ci95=s["speedup_ci95"],
             )
-    return rows, speed
+    served = [("ar", "ar", None)] + ([(student, "diffusion", dc.eval_tau)] if student is not None else [])
+    by_length = [
+        r
+        for name, decoder, tau in served
+        for r in length_rows(models[name], decoder, tau, test, profile, rows)
+    ]
+    name, decoder, tau = served[-1]  # the deployed model: its cold-start path
+    return Evaluation(rows, speed, by_length, cold_start_row(models[name], decoder, tau, test, profile))
+
+
+def length_rows(
+    model: GenerativeReranker,
+    decoder: str,
+    tau: float | None,
+    test: pd.DataFrame,
+    profile: Profile,
+    full_rows: Sequence[dict] = (),
+) -> list[dict]:
+    """R@1 (and its paired difference with the floor) and validity of one model on the test lists cut to each
+    length of eval.list_lengths, keeping the held-out item (gr2/candidates.py `cut_lists`): clients send any
+    length 2..N. A length of N or more is the full lists: their row from `full_rows` when it is there."""
+    out = []
+    for n in profile.eval.list_lengths:
+        full = n >= max(test["candidates"].map(len), default=0)
+        row = next((r for r in full_rows if full and (r["model"], r["tau"]) == (model.name, tau)), None)
+        lists = test if full else cut_lists(test, [n] * len(test), profile.seed)
+        if row is None:
+            log.info(
+                "evaluate %s (%s, tau=%s) on %d test lists cut to %d", model.name, decoder, tau, len(test), n
+            )
+            row = decode_rows(model, lists, decoder, tau, profile)
+        out.append(
+            {
+                "model": model.name,
+                "tau": tau,
+                "length": int(n),
+                "lists": len(lists),
+                "recall@1": row["recall@1"],
+                "ci95": {"recall@1": row["ci95"]["recall@1"]},
+                "floor_recall@1": float(np.mean(lists["label"].to_numpy() == 0)),
+                "delta_vs_floor": {"recall@1": row["delta_vs_floor"]["recall@1"]},
+                "validity": row["validity"],
+                "invalid_reasons": row.get("invalid_reasons", {}),
+            }
+        )
+    return out
+
+
+def cold_start_row(
+    model: GenerativeReranker, decoder: str, tau: float | None, test: pd.DataFrame, profile: Profile
+) -> dict:
+    """The served path of users without history: the test lists with their histories removed, through
+    `model.rank` as serving calls it (the bundle's cold-start ranker; a bundle without one decodes them). A row
+    with R@1 against the floor (paired CI), validity, the share of lists it reorders and who ranked them."""
+    requests = [
+        RankRequest(str(u), list(c), []) for u, c in zip(test["user_id"], test["candidates"], strict=True)
+    ]
+    results = model.rank(requests, decoder, tau or 1.0)
+    rankings = [
+        [r.candidates.index(c) for c in res.ranking] for r, res in zip(requests, results, strict=True)
+    ]
+    row = evaluate(
+        test,
+        rankings,
+        [res.valid for res in results],
+        n_boot=profile.bootstrap_samples,
+        seed=profile.seed,
+        model="cold_start",
+        tau=tau,
+    )
+    row["reordered"] = float(np.mean([k != sorted(k) for k in rankings])) if rankings else 0.0
+    row["ranker"] = dict(Counter(res.ranker for res in results))
+    row["served_by"] = f"{model.name} ({decoder})"
+    return row

@@ -21,12 +21,13 @@ import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
 import torch
 
+from gr2.candidates import shorten_some
 from gr2.config import OPDConfig, Profile, RLConfig, TrainConfig
 from gr2.decode import TraceRule
 from gr2.generative import GenerativeReranker, load_bundle_parts, load_verifier
@@ -45,12 +46,24 @@ ROLLOUT_LOG = "rollout_log.jsonl"
 
 
 # ---------------------------------------------------------------------------------------------- prompts
+class TrainPrompts(NamedTuple):
+    ids: list[list[int]]  # prompt token ids
+    labels: list[int]  # the held-out item's index in each prompt
+    pre_ranks: list[int]  # its retriever rank in the list (the reward's rank_before)
+    sizes: list[int]  # candidates per prompt (a share of the lists is cut shorter: `shorten_some`)
+
+
 def train_prompts(
-    reranker: GenerativeReranker, examples: pd.DataFrame, max_prompts: int, seed: int, shuffle: bool = False
-) -> tuple[list[list[int]], list[int], list[int]]:
-    """(prompt ids, labels, pre_ranks) of (at most `max_prompts`, seeded sample of) the training lists the model
-    can read. labels = the held-out item's index in the prompt, pre_ranks = its retriever rank (the reward's
-    rank_before). They differ only with `shuffle`: each prompt then lists its candidates in a seeded random
+    reranker: GenerativeReranker,
+    examples: pd.DataFrame,
+    max_prompts: int,
+    seed: int,
+    short_share: float = 0.0,
+    shuffle: bool = False,
+) -> TrainPrompts:
+    """The prompts of (at most `max_prompts`, seeded sample of) the training lists the model can read, a
+    `short_share` of them cut to a random shorter length (as the SFT lists: every length 2..N is served).
+    labels and pre_ranks differ only with `shuffle`: each prompt then lists its candidates in a seeded random
     order, every candidate keeping its own evidence (retriever_rank included) - see RLConfig.shuffle_candidates."""
     df = examples[examples["split"] == "train"]
     n = reranker.n_candidates
@@ -60,16 +73,18 @@ def train_prompts(
         df = df.sample(n=max_prompts, random_state=seed).sort_index()
     if df.empty:
         raise ValueError("no usable training lists (split == 'train' with known candidates)")
+    df = shorten_some(df, short_share, seed)
     histories, candidates = df["history"].tolist(), df["candidates"].tolist()
     pre_ranks = df["label"].astype(int).tolist()
+    sizes = [len(cs) for cs in candidates]
     if not shuffle:
-        return reranker.encode_prompts(histories, candidates), pre_ranks, pre_ranks
+        return TrainPrompts(reranker.encode_prompts(histories, candidates), pre_ranks, pre_ranks, sizes)
     rng = random.Random(seed * 1_000_003 + 99)
-    orders = [list(range(n)) for _ in pre_ranks]
+    orders = [list(range(k)) for k in sizes]
     for order in orders:
         rng.shuffle(order)
     labels = [order.index(y) for order, y in zip(orders, pre_ranks, strict=True)]
-    return reranker.encode_prompts(histories, candidates, orders), labels, pre_ranks
+    return TrainPrompts(reranker.encode_prompts(histories, candidates, orders), labels, pre_ranks, sizes)
 
 
 def prompts_for_step(n_prompts: int, per_step: int, step: int, seed: int) -> list[int]:
@@ -95,8 +110,8 @@ class RLBatches:
     prompts: list[list[int]]
     labels: list[int]  # the held-out item's index in each prompt
     pre_ranks: list[int]  # its retriever rank (the reward's rank_before)
+    sizes: list[int]  # candidates per prompt
     tokenizer: Any
-    n_candidates: int
     rc: RLConfig
     block_size: int  # 0 = AR sampling
     max_new_tokens: int
@@ -125,9 +140,7 @@ class RLBatches:
         )
         sample_s = time.perf_counter() - t0
         scored = [
-            response_reward(
-                row, self.labels[i], self.n_candidates, self.tokenizer, rc.alpha, self.pre_ranks[i]
-            )
+            response_reward(row, self.labels[i], self.sizes[i], self.tokenizer, rc.alpha, self.pre_ranks[i])
             for i, row in zip(rows_of, ro.tokens.tolist(), strict=True)
         ]
         rewards = torch.tensor([r for r, _ in scored]).view(len(idx), G)
@@ -310,7 +323,7 @@ def train_opd(
     teacher.requires_grad_(False)
     student = add_lora(student, profile.model)
     rr = GenerativeReranker(student, tok, sids, ev, cfg)
-    prompts, _, _ = train_prompts(rr, examples, oc.max_prompts, profile.seed)
+    prompts = train_prompts(rr, examples, oc.max_prompts, profile.seed, profile.data.short_list_share).ids
     batches = OPDBatches(
         student=student,
         teacher=teacher,
@@ -376,17 +389,17 @@ def train_rl(
     if len(data.tokenizer) != len(tok):
         raise ValueError("the SFT data and the bundle have different vocabularies")
     rr = GenerativeReranker(model, tok, sids, ev, cfg)
-    prompts, labels, pre_ranks = train_prompts(
-        rr, examples, rc.max_prompts, profile.seed, rc.shuffle_candidates
+    prompts = train_prompts(
+        rr, examples, rc.max_prompts, profile.seed, profile.data.short_list_share, rc.shuffle_candidates
     )
     # Rollouts decode as the served model does, so RL optimises the rankings it will serve (rr.unique).
     batches = RLBatches(
         model=model,
-        prompts=prompts,
-        labels=labels,
-        pre_ranks=pre_ranks,
+        prompts=prompts.ids,
+        labels=prompts.labels,
+        pre_ranks=prompts.pre_ranks,
+        sizes=prompts.sizes,
         tokenizer=tok,
-        n_candidates=rr.n_candidates,
         rc=rc,
         block_size=bs,
         max_new_tokens=rr.max_new_tokens,

@@ -91,6 +91,8 @@ def train_ar_teacher(data: SFTData, profile: Profile, out_dir: str | Path, varia
         "train": _summary(res, model, len(records)),
         "profile": profile.name,
     }
+    if data.cold_start is not None:  # every bundle trained from this one carries it (their meta copies this)
+        meta["cold_start"] = data.cold_start.to_dict()
     log.info("train_ar_teacher %s: %s", variant, meta["train"])
     return write_bundle(out / "bundle", model, tok, data.sids, data.evidence, meta)
 
@@ -144,7 +146,6 @@ def teacher_records(
         return [SFTRecord(*r) for r in saved["records"]], saved["stats"]
     tok = teacher.tokenizer
     open_id = tok.convert_tokens_to_ids("{")
-    n = profile.data.n_candidates
     batch = profile.eval.batch_size
     sft = profile.sft
     out: list[SFTRecord] = []
@@ -154,7 +155,7 @@ def teacher_records(
         chunk = records[b0 : b0 + batch]
         decoded = teacher.decode([list(r.prompt_ids) for r in chunk], "ar", 1.0, batch)
         for r, resp in zip(chunk, decoded.responses, strict=True):
-            if teacher.read_answer(resp, n).valid and open_id in resp:
+            if teacher.read_answer(resp, teacher.prompt_candidates(r.prompt_ids)).valid and open_id in resp:
                 a = resp.index(open_id)
                 w = [sft.trace_weight] * a + [sft.answer_weight] * (len(resp) - a)
                 out.append(SFTRecord(list(r.prompt_ids), list(resp), w))

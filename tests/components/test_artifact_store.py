@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import threading
 
 import boto3
 import pytest
@@ -12,6 +13,7 @@ from components.artifact_store import (
     ArtifactError,
     ArtifactStore,
     LocalBackend,
+    PromoteConflict,
     S3Backend,
     open_store,
 )
@@ -221,3 +223,136 @@ def test_manifest_paths_cannot_leave_the_download_folder(tmp_path):
         store.download("r", "model", dest)
     assert (dest / escape).resolve() == tmp_path / "escape_probe.txt"
     assert not (tmp_path / "escape_probe.txt").exists()
+
+
+# --- promotes are compare-and-swap writes; every failure is an ArtifactError (issue 36) --------------------
+def _race(store, n: int, tmp_path) -> tuple[list[dict], list[Exception]]:
+    """`n` threads promote `n` different attempts at once: (the pointers returned, the errors raised)."""
+    attempts = [store.upload(f"r{k}", "model", make_model(tmp_path / f"m{k}", k)).attempt for k in range(n)]
+    gate = threading.Barrier(n)
+    won, lost = [], []
+
+    def one(k: int) -> None:
+        gate.wait()
+        try:
+            won.append(store.promote(f"r{k}", "model", {"k": k}, attempt=attempts[k]))
+        except ArtifactError as e:
+            lost.append(e)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return won, lost
+
+
+def test_concurrent_promotes_each_win_or_learn_they_lost(tmp_path):
+    store = ArtifactStore(LocalBackend(tmp_path / "store"))
+    won, lost = _race(store, 16, tmp_path)
+    assert len(won) + len(lost) == 16 and won
+    assert all(isinstance(e, PromoteConflict) and "was not promoted" in str(e) for e in lost)
+    # the winners form one chain, each replacing exactly the pointer before it; the last is production
+    final = store.production()
+    assert final in won
+    chain, p = [], final
+    by_attempt = {w["attempt"]: w for w in won}
+    while p is not None:
+        chain.append(p["attempt"])
+        p = by_attempt.get(p["replaces"]["attempt"]) if p["replaces"] else None
+    assert sorted(chain) == sorted(by_attempt)
+
+
+def _backend(kind: str, rival: list, request, tmp_path):
+    """A local or S3 backend whose next pointer read lets rival.pop()() promote first: a promote that read the
+    pointer, then lost the race to write it."""
+    base = S3Backend if kind == "s3" else LocalBackend
+
+    class Stale(base):  # type: ignore[valid-type,misc]
+        def get_versioned(self, key):
+            got = super().get_versioned(key)
+            if key.endswith("production.json") and rival:
+                rival.pop()()
+            return got
+
+    if kind == "local":
+        return Stale(tmp_path / "store")
+    store, _, _ = request.getfixturevalue("s3_store")
+    return Stale(store.backend.bucket, client=store.backend.client)
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_promote_that_lost_the_race_says_so_and_changes_nothing(kind, request, tmp_path):
+    plain = ArtifactStore(_backend(kind, [], request, tmp_path))
+    a = plain.upload("a", "model", make_model(tmp_path / "a", 1)).attempt
+    b = plain.upload("b", "model", make_model(tmp_path / "b", 2)).attempt
+    first = plain.promote("a", "model", attempt=a)  # If-None-Match: * (no pointer yet)
+    assert first["replaces"] is None
+    racing = ArtifactStore(
+        _backend(kind, [lambda: plain.promote("a", "model", attempt=a)], request, tmp_path)
+    )
+    with pytest.raises(PromoteConflict, match=f"b/model/{b} was not promoted"):
+        racing.promote("b", "model", attempt=b)
+    now = plain.production()
+    assert now["attempt"] == a and now["replaces"]["attempt"] == a  # the rival's promote, not b's
+    again = racing.promote("b", "model", attempt=b)  # promoting again replaces what is there now (If-Match)
+    assert plain.production() == again and again["replaces"]["manifest_sha256"] == now["manifest_sha256"]
+
+
+@pytest.mark.parametrize(
+    "pointer, match",
+    [
+        (b"{not json", "corrupt pointer"),
+        (b"[1, 2]", "corrupt pointer \\(not a JSON object\\)"),
+        (b'{"run_id": 5, "stage": "m", "attempt": "x", "manifest_sha256": "y"}', "run_id is not a string"),
+        (b'{"run_id": "r", "stage": "m", "attempt": "x"}', "pins no manifest_sha256"),
+        (b'{"run_id": "r", "stage": "m", "attempt": "../x", "manifest_sha256": "y"}', "corrupt pointer"),
+    ],
+)
+def test_a_corrupt_pointer_is_an_artifact_error(tmp_path, pointer, match):
+    store = ArtifactStore(LocalBackend(tmp_path))
+    store.backend.put_bytes("reranker/production.json", pointer)
+    with pytest.raises(ArtifactError, match=match):
+        store.download_production(tmp_path / "dl")
+
+
+@pytest.mark.parametrize(
+    "manifest, match",
+    [
+        (b"[]", "corrupt manifest"),
+        (b'{"run_id": "r"}', "corrupt manifest"),
+        (b"\xff\xfe", "corrupt manifest"),
+        ("files", "files and metadata must be objects"),
+        ("sha256", "has no sha256"),
+        ("run_id", "corrupt manifest"),
+    ],
+)
+def test_a_malformed_manifest_is_an_artifact_error(tmp_path, manifest, match):
+    store = ArtifactStore(LocalBackend(tmp_path / "store"))
+    m = store.upload("r", "model", make_model(tmp_path / "m", 1))
+    raw = json.loads(m.to_json())
+    if manifest == "files":
+        raw["files"] = ["reranker.json"]
+    elif manifest == "sha256":
+        raw["files"]["reranker.json"] = {"size": 3}
+    elif manifest == "run_id":
+        raw["run_id"] = "../../etc"
+    store.backend.put_bytes(
+        "reranker/r/model/manifest.json",
+        manifest if isinstance(manifest, bytes) else json.dumps(raw).encode(),
+    )
+    with pytest.raises(ArtifactError, match=match):
+        store.download("r", "model", tmp_path / "dl")
+
+
+def test_s3_failures_are_artifact_errors(s3_store, tmp_path):
+    store, client, bucket = s3_store
+    gone = ArtifactStore(S3Backend("no-such-bucket-gr2", client=client))
+    for call in (
+        lambda: gone.production(),
+        lambda: gone.upload("r", "model", make_model(tmp_path / "m", 1)),
+        lambda: gone.backend.download_file("x", tmp_path / "x"),
+        lambda: store.backend.download_file("reranker/missing", tmp_path / "x"),
+    ):
+        with pytest.raises(ArtifactError, match="no-such-bucket-gr2|reranker/missing"):
+            call()

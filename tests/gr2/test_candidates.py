@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from gr2.candidates import EXAMPLE_COLUMNS, attach_candidates
+from gr2.candidates import EXAMPLE_COLUMNS, attach_candidates, cut_lists, shorten_some
 from gr2.data import build_targets, data_root, load_dataset, train_sequences
 from gr2.retriever import CoocRetriever
 
@@ -47,3 +47,22 @@ def test_deterministic(setup):
     a, _ = attach_candidates(targets, r, 10)
     b, _ = attach_candidates(targets.sample(frac=1.0, random_state=1).sort_index(), r, 10)
     pd.testing.assert_frame_equal(a, b)
+
+
+def test_cut_lists_keep_the_held_out_item_and_the_retriever_order(setup):
+    targets, r = setup
+    ex, _ = attach_candidates(targets, r, 10)
+    for n in (2, 3, 7, 10, 12):
+        cut = cut_lists(ex, [n] * len(ex), seed=5)
+        assert (cut["candidates"].map(len) == min(n, 10)).all()
+        for full, y, short, k, sc in zip(
+            ex.candidates, ex.label, cut.candidates, cut.label, cut.retriever_scores, strict=True
+        ):
+            assert short[k] == full[y]  # the held-out item, where the label says
+            pos = [full.index(c) for c in short]
+            assert pos == sorted(pos) and len(set(short)) == len(short)  # a subset in retriever order
+            assert all(a >= b for a, b in zip(sc, sc[1:], strict=False))  # its scores follow
+    assert cut_lists(ex, [3] * len(ex), seed=5).equals(cut_lists(ex, [3] * len(ex), seed=5))  # seeded
+    some = shorten_some(ex, 0.5, seed=1)
+    lengths = some["candidates"].map(len)
+    assert 0.3 < (lengths < 10).mean() < 0.7 and lengths.min() >= 2 and lengths.max() == 10

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gr2.candidates import attach_candidates
+from gr2.candidates import attach_candidates, cut_lists
 from gr2.config import EvidenceConfig
 from gr2.data import build_targets, data_root, load_dataset, train_sequences
 from gr2.evidence import FEATURE_NAMES, Evidence, title_tokens
@@ -125,6 +125,14 @@ def test_features_on_real_slice_train_matches_test_distribution():
     # one example computed alone equals its batch row
     i = int(np.flatnonzero(ex.split == "train")[3])
     np.testing.assert_allclose(ev.features(ex.history.iat[i], ex.candidates.iat[i], own[i]), X[i])
+    # lists of different lengths in one call (what serving batches): each list's rows are its features alone,
+    # the rows past a short list's end are zeros
+    cut = cut_lists(ex, [2 + k % 9 for k in range(len(ex))], seed=0)
+    Xc = ev.features_batch(list(cut.history), list(cut.candidates), own, chunk=7)
+    for k in range(0, len(cut), max(len(cut) // 20, 1)):
+        n = len(cut.candidates.iat[k])
+        np.testing.assert_allclose(Xc[k, :n], ev.features(cut.history.iat[k], cut.candidates.iat[k], own[k]))
+        assert not Xc[k, n:].any()
     # subtraction matters: without it the train target's transition evidence is inflated
     Xn = ev.features_batch(list(ex.history), list(ex.candidates))
     tr_m = (ex.split == "train").to_numpy()

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
-from gr2.candidates import attach_candidates
+from gr2.candidates import attach_candidates, cut_lists
 from gr2.config import load_profile
 from gr2.data import load_dataset
 from gr2.data.dataset import data_root
 from gr2.data.split import build_targets, train_sequences
 from gr2.generative import Answer, GenerativeReranker
 from gr2.inference import RankRequest, load_reranker
-from gr2.prompt import label_token
+from gr2.prompt import label_token, parse_response, parse_trace, response_trace
 from gr2.retriever import CoocRetriever
 from gr2.stages.evaluate import evaluate_generative
 from gr2.stages.opd_rl import train_prompts
@@ -122,11 +123,11 @@ def _candidate_segments(model, ids):
 def test_shuffled_rl_prompts_move_letters_not_evidence(pipeline):
     model = load_reranker(pipeline["ar"])
     ex = pipeline["examples"]
-    plain, labels, pre = train_prompts(model, ex, 40, seed=3)
+    plain, labels, pre, _ = train_prompts(model, ex, 40, seed=3)
     assert labels == pre  # retriever order: the letter index is the retriever rank
-    shuffled, s_labels, s_pre = train_prompts(model, ex, 40, seed=3, shuffle=True)
+    shuffled, s_labels, s_pre, _ = train_prompts(model, ex, 40, seed=3, shuffle=True)
     assert s_pre == pre and s_labels != labels
-    assert shuffled == train_prompts(model, ex, 40, seed=3, shuffle=True)[0]  # seeded
+    assert shuffled == train_prompts(model, ex, 40, seed=3, shuffle=True).ids  # seeded
     moved = 0
     for a, b, y, y_shown in zip(plain, shuffled, pre, s_labels, strict=True):
         seg_a, seg_b = _candidate_segments(model, a), _candidate_segments(model, b)
@@ -173,11 +174,10 @@ def test_cft_trains_on_the_teachers_greedy_responses(pipeline):
     open_id = teacher.tokenizer.convert_tokens_to_ids("{")
     sub = list(range(0, len(sft), max(len(sft) // 24, 1)))
     greedy = teacher.decode([list(sft[i][0]) for i in sub], "ar", 1.0, 8).responses
-    n = prof.data.n_candidates
     for i, g in zip(sub, greedy, strict=True):
         prompt, resp, w = records[i]
         assert list(prompt) == list(sft[i][0])
-        if teacher.read_answer(g, n).valid and open_id in g:
+        if teacher.read_answer(g, teacher.prompt_candidates(prompt)).valid and open_id in g:
             a = g.index(open_id)
             assert list(resp) == g
             assert w == [prof.sft.trace_weight] * a + [prof.sft.answer_weight] * (len(g) - a)
@@ -203,6 +203,9 @@ class _FakeTeacher:
     def read_answer(self, response, n):
         return Answer([], response[3] % 2 == 0, None, None)
 
+    def prompt_candidates(self, prompt):
+        return 2
+
 
 def test_teacher_records_fall_back_and_resume_from_cache(pipeline, tmp_path):
     prof, tok = pipeline["prof"], pipeline["data"].tokenizer
@@ -225,7 +228,7 @@ def test_teacher_records_fall_back_and_resume_from_cache(pipeline, tmp_path):
 def test_evaluate_rows_and_speed(pipeline):
     prof = pipeline["prof"]
     test = pipeline["examples"].query("split == 'test'").reset_index(drop=True)
-    rows, speed = evaluate_generative(
+    rows, speed, by_length, cold = evaluate_generative(
         {"ar": pipeline["ar"], "naive": pipeline["naive"], "cft": pipeline["cft"]}, test, prof
     )
     assert [(r["model"], r["tau"]) for r in rows] == [
@@ -254,6 +257,51 @@ def test_evaluate_rows_and_speed(pipeline):
         if s["model"] == "ar":
             assert s["speedup_vs_ar"] == 1.0 and s["tokens_per_forward"] == pytest.approx(1.0, abs=0.02)
     assert rows[0]["speedup_vs_ar"] == 1.0 and rows[2]["nfe_per_seq"] == speed[1]["nfe_per_seq"]
+    # ar and the deployed student (here cft, at eval_tau) on the test lists cut to each length
+    lengths = prof.eval.list_lengths
+    assert [(r["model"], r["tau"], r["length"]) for r in by_length] == [
+        (m, t, n) for m, t in (("ar", None), ("cft", prof.diffusion.eval_tau)) for n in lengths
+    ]
+    for r in by_length:
+        assert r["lists"] == len(test) and 0.0 <= r["validity"] <= 1.0
+        full = next(x for x in rows if (x["model"], x["tau"]) == (r["model"], r["tau"]))
+        if r["length"] == 10:  # the full lists: the main row
+            assert r["recall@1"] == full["recall@1"] and r["validity"] == full["validity"]
+        assert r["floor_recall@1"] == pytest.approx(
+            float(np.mean(cut_lists(test, [r["length"]] * len(test), prof.seed)["label"] == 0))
+        )
+    # users without history: the bundle's cold-start ranker serves every list, always valid
+    assert cold["ranker"] == {"cold_start": len(test)} and cold["validity"] == 1.0
+    assert cold["served_by"] == "cft (diffusion)" and 0.0 < cold["reordered"] <= 1.0
+
+
+def test_prepare_cuts_a_share_of_the_lists_and_fits_the_cold_start_ranker(pipeline):
+    data = pipeline["data"]
+    model = load_reranker(pipeline["ar"])
+    sizes = [model.prompt_candidates(r.prompt_ids) for r in data.records["trace"]]
+    counts = {n: sizes.count(n) for n in set(sizes)}
+    assert counts == data.stats["list_lengths"] and set(counts) <= set(range(2, 11))
+    assert 0.1 < 1 - counts[10] / len(sizes) < 0.4  # short_list_share 0.25 of the lists are cut
+    for r, n in zip(data.records["trace"], sizes, strict=True):  # each answer ranks its own list
+        text = model.tokenizer.decode(r.response_ids, skip_special_tokens=True)
+        assert (
+            parse_response(text, n).ranking is not None and parse_trace(response_trace(text), n) is not None
+        )
+    # the cold-start ranker travels in every bundle, and rank() routes users without known history to it
+    assert data.cold_start is not None and model.cold_start is not None
+    assert load_reranker(pipeline["cft"]).cold_start is not None
+    test = pipeline["examples"].head(4)
+    reqs = [
+        RankRequest(u, list(c), h)
+        for u, c, h in zip(
+            test.user_id, test.candidates, [[], ["nope"], list(test.history.iat[2]), []], strict=True
+        )
+    ]
+    res = model.rank(reqs, decoder="ar")
+    assert [r.ranker for r in res] == ["cold_start", "cold_start", "model", "cold_start"]
+    for req, r in zip(reqs, res, strict=True):
+        assert sorted(r.ranking) == sorted(req.candidates)
+    assert all(r.valid and r.nfe == 0 for r in res if r.ranker == "cold_start")
 
 
 @pytest.mark.slow  # two torchrun processes, each importing torch and transformers

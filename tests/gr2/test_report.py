@@ -91,9 +91,9 @@ def test_trace_summary_scores_the_trace_and_whether_the_answer_follows_it():
         Answer([0, 1, 2], False, "duplicate label", render_trace([2, 0, 0])),  # invalid: does not follow
         Answer([0, 1, 2], True, None, None),  # no trace (e.g. ar_no_trace): left out
     ]
-    t = trace_summary(answers, labels=[1, 1, 0, 0], n=3)
+    t = trace_summary(answers, labels=[1, 1, 0, 0], sizes=[3] * 4)
     assert t == {"lists": 3, "recall@1": 2 / 3, "answer_follows": 0.5}
-    assert trace_summary([a for a in answers if a.trace is None], [0], 3) is None
+    assert trace_summary([a for a in answers if a.trace is None], [0], [3]) is None
     md = render_markdown(
         {"dataset": "d", "rows": [{"model": "ar", "tau": None, "recall@1": 0.5, "trace": t}]}
     )

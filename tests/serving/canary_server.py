@@ -1,9 +1,9 @@
 """A canary predictor revision with a deterministic fault, for the canary-analysis tests: the real
-RerankPredictor, micro-batcher, metrics and KServe server (serving/modelserver.py) around the floor model
+RerankPredictor, micro-batcher, metrics and KServe server (serving/modelserver.py) around the served model
 wrapped so that it decodes 8 tokens in 2 forwards (tokens per forward 4) and, per the fault named in
 --fault_file (read at every model call, so one process plays every scenario in turn):
 
-    none     answers as the floor model does
+    none     answers as the model does (valid)
     error    raises on every call (HTTP 500)
     slow     sleeps SLOW_S seconds per call, then answers (far above any latency threshold of the tests)
     invalid  marks every answer invalid (the fallback: the upstream order)
@@ -17,7 +17,7 @@ import argparse
 import time
 from pathlib import Path
 
-from gr2.inference import RankResult, load_reranker
+from gr2.inference import DECODERS, RankResult, load_reranker
 
 FAULTS = ("none", "error", "slow", "invalid")
 SLOW_S = 3.0  # its p99 lands in the (2.5 s, 5 s] latency bucket
@@ -27,6 +27,9 @@ class FaultyReranker:
     def __init__(self, inner, fault_file: Path):
         self.inner, self.fault_file = inner, fault_file
         self.name, self.n_candidates = inner.name, inner.n_candidates
+        # what the predictor reads of a model: its decoders and default taus, so the canary serves as stable does
+        self.decoders = getattr(inner, "decoders", DECODERS)
+        self.tau, self.spec_tau = getattr(inner, "tau", None), getattr(inner, "spec_tau", None)
 
     def known_item(self, item_id: str) -> bool:
         return self.inner.known_item(item_id)

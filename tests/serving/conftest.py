@@ -1,19 +1,25 @@
-"""Shared serving fixtures: a real data slice, a floor model directory, a Feast repo with a sqlite online
-store (contract names: entities user/item, views user_history/item_features, service reranker_v1), and the
-predictor + transformer running as real HTTP servers on 127.0.0.1 in subprocesses."""
+"""Shared serving fixtures: a real data slice, a generative model trained on it (tests/serving/toy_model.py), a
+Feast repo with a sqlite online store (contract names: entities user/item, views user_history/item_features,
+service reranker_v1), and the predictor + transformer running as real HTTP servers on 127.0.0.1 in
+subprocesses."""
 
 from __future__ import annotations
 
 import datetime as dt
+import select
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from filelock import FileLock
 
-from gr2.inference import FloorReranker
+from gr2.inference import CONFIG_FILE
 from serving.serve_local import start_server, stop
+from tests.serving.toy_model import train_toy_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data" / "ml-latest-small"
@@ -50,10 +56,16 @@ def ml_slice():
 
 
 @pytest.fixture(scope="session")
-def model_dir(ml_slice, tmp_path_factory):
-    return FloorReranker(name="floor", n_candidates=10, items=ml_slice["items"]["item_id"]).save(
-        tmp_path_factory.mktemp("model")
-    )
+def model_dir(ml_slice, tmp_path_factory, worker_id):
+    """The toy generative bundle, trained once per test session: under pytest-xdist the first worker trains it
+    into the session's shared folder and the others wait for it (FileLock)."""
+    if worker_id == "master":
+        return train_toy_bundle(tmp_path_factory.mktemp("toy"), set(ml_slice["history"]))
+    root = tmp_path_factory.getbasetemp().parent / "toy"
+    with FileLock(f"{root}.lock"):
+        if not (root / "bundle" / CONFIG_FILE).exists():
+            train_toy_bundle(root, set(ml_slice["history"]))
+    return root / "bundle"
 
 
 def spawn(args: list[str], log: Path) -> subprocess.Popen:
@@ -75,6 +87,40 @@ def start(args: list[str], log: Path) -> tuple[subprocess.Popen, int]:
         log,
         cwd=ROOT,
     )
+
+
+def raw_http(
+    port: int, data: bytes | list[bytes], timeout_s: float = 30.0, pause_s: float = 0.0
+) -> tuple[int, str]:
+    """Send raw bytes (a list: each piece `pause_s` apart) to 127.0.0.1:port and read until the server closes:
+    (status, the rest of the answer), status 0 when the connection closed without an answer. For what a
+    well-behaved client library will not send: duplicate headers, non-ASCII header bytes, a head sent slowly."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+        try:
+            for piece in [data] if isinstance(data, bytes) else data:
+                if select.select([s], [], [], pause_s)[0]:  # answered already: read that, send no more
+                    break
+                s.sendall(piece)
+        except OSError:  # the server answered and closed while this was still sending
+            pass
+        answer = b""
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except (ConnectionResetError, TimeoutError):  # send "connection: close" to end a served request
+            pass
+    head, _, body = answer.decode(errors="replace").partition("\r\n\r\n")
+    return (int(head.split(" ")[1]) if head.startswith("HTTP/1.1 ") else 0), body
+
+
+def log_since(path, offset: int, marker: str) -> str:
+    """The server log written after `offset`, once `marker` shows up in it (the server writes it async)."""
+    for _ in range(100):
+        text = path.read_text(errors="replace")[offset:]
+        if marker in text:
+            return text
+        time.sleep(0.1)
+    return text
 
 
 @pytest.fixture(scope="session")
@@ -155,7 +201,8 @@ def feast_repo(ml_slice, tmp_path_factory):
 def transformer(predictor, feast_repo, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "transformer.log"
     args = ["--role", "transformer", "--predictor_host", f"127.0.0.1:{predictor['port']}"]
-    proc, port = start([*args, "--feast_repo", str(feast_repo)], log)
+    # --max_candidates: the model's N: more is refused before any feature lookup
+    proc, port = start([*args, "--feast_repo", str(feast_repo), "--max_candidates", "10"], log)
     yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "log": log}
     stop(proc)
 

@@ -1,6 +1,7 @@
 """Automated canary analysis (serving/canary.py) against a REAL Prometheus (Debian's `prometheus`, started here
 on 127.0.0.1 with a temporary config) scraping two real predictor revisions on 127.0.0.1, stable and canary
-(tests/serving/canary_server.py: its fault is switched per scenario), with the fake Kubernetes API
+(tests/serving/canary_server.py, both serving the floor model: `floor_dir` says why; the canary's fault is switched
+per scenario), with the fake Kubernetes API
 (tests/serving/fake_kube.py) playing KServe. A healthy canary walks 10 -> 50 -> 100 % and is promoted, the production pointer written; a
 canary that errors, is slow or gives invalid rankings is rolled back at the first step, the pointer left alone.
 
@@ -25,6 +26,7 @@ from kubernetes.config import kube_config
 
 from components.artifact_store import ArtifactStore, LocalBackend
 from gr2.config import CanaryConfig
+from gr2.inference import FloorReranker
 from serving.canary import REVISION_LABEL, agreement, analyze, check_steps, judge, probe_failures, probe_set
 from serving.rollout import FIELD_MANAGER, KserveKube, rollout
 from serving.serve_local import start_server, stop
@@ -41,26 +43,42 @@ TRAFFIC = 20  # live requests per step, split between the revisions as the canar
 
 
 @pytest.fixture(scope="module")
-def revisions(predictor, model_dir, tmp_path_factory):
-    """stable = the session's predictor (serving.serve_local, the floor model); canary = a canary_server
-    whose fault the scenario writes into its fault file."""
-    tmp = tmp_path_factory.mktemp("canary")
-    fault_file = tmp / "fault"
-    fault_file.write_text("none")
-    proc, port = start_server(
-        lambda port: (
-            [sys.executable, "-m", "tests.serving.canary_server", "--model_dir", str(model_dir)]
-            + ["--port", str(port), "--fault_file", str(fault_file)]
-        ),
-        lambda port: f"http://127.0.0.1:{port}/v1/models/{MODEL}",
-        tmp / "canary.log",
-        cwd=ROOT,
+def floor_dir(ml_slice, tmp_path_factory):
+    """The model both revisions serve: the floor, whose answers take no time. The analysis compares the two
+    revisions' latency percentiles, so a model that decodes (its time varies with the machine's load) would make
+    the healthy canary fail or the slow one pass by chance; what a real model serves is the other serving
+    tests' subject (tests/serving/toy_model.py)."""
+    return FloorReranker(name="floor", n_candidates=10, items=ml_slice["items"]["item_id"]).save(
+        tmp_path_factory.mktemp("floor")
     )
-    url = f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def revisions(floor_dir, tmp_path_factory):
+    """stable and canary: two canary_server revisions of the floor model; the scenario writes the canary's
+    fault into its fault file (the stable one's stays "none")."""
+    tmp = tmp_path_factory.mktemp("canary")
+    procs, urls, faults = [], [], []
     try:
-        yield {"stable": (STABLE, predictor["url"]), "canary": (CANARY, url), "fault_file": fault_file}
+        for rev in ("stable", "canary"):
+            fault_file = tmp / f"{rev}.fault"
+            fault_file.write_text("none")
+            proc, port = start_server(
+                lambda port, fault_file=fault_file: (
+                    [sys.executable, "-m", "tests.serving.canary_server", "--model_dir", str(floor_dir)]
+                    + ["--port", str(port), "--fault_file", str(fault_file)]
+                ),
+                lambda port: f"http://127.0.0.1:{port}/v1/models/{MODEL}",
+                tmp / f"{rev}.log",
+                cwd=ROOT,
+            )
+            procs.append(proc)
+            urls.append(f"http://127.0.0.1:{port}")
+            faults.append(fault_file)
+        yield {"stable": (STABLE, urls[0]), "canary": (CANARY, urls[1]), "fault_file": faults[1]}
     finally:
-        stop(proc)
+        for proc in procs:
+            stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +199,8 @@ def run(fault, revisions, prometheus, examples, model_dir, tmp_path):
     return report, api, store
 
 
-def test_a_healthy_canary_is_promoted(revisions, prometheus, examples, model_dir, tmp_path):
-    report, api, store = run("none", revisions, prometheus, examples, model_dir, tmp_path)
+def test_a_healthy_canary_is_promoted(revisions, prometheus, examples, floor_dir, tmp_path):
+    report, api, store = run("none", revisions, prometheus, examples, floor_dir, tmp_path)
     assert report["outcome"] == "promoted", report
     assert [s["canary_percent"] for s in report["steps"]] == [10, 50, 100]
     for s in report["steps"]:
@@ -213,9 +231,9 @@ def test_a_healthy_canary_is_promoted(revisions, prometheus, examples, model_dir
     [("error", ["error rate"]), ("slow", ["p99 latency"]), ("invalid", ["validity", "fallback rate"])],
 )
 def test_a_faulty_canary_is_rolled_back(
-    fault, expected, revisions, prometheus, examples, model_dir, tmp_path
+    fault, expected, revisions, prometheus, examples, floor_dir, tmp_path
 ):
-    report, api, store = run(fault, revisions, prometheus, examples, model_dir, tmp_path)
+    report, api, store = run(fault, revisions, prometheus, examples, floor_dir, tmp_path)
     assert report["outcome"] == "rolled-back", report
     (step,) = report["steps"]  # decided at the first step, 10 %
     assert step["canary_percent"] == 10
@@ -227,7 +245,7 @@ def test_a_faulty_canary_is_rolled_back(
     assert store.production()["run_id"] == "old" and report["pointer"] is None
 
 
-def test_the_component_decides_and_reports(revisions, prometheus, examples, model_dir, tmp_path, monkeypatch):
+def test_the_component_decides_and_reports(revisions, prometheus, examples, floor_dir, tmp_path, monkeypatch):
     """components/canary_analysis.py's body, called as KFP's executor calls it (the function with artifacts),
     reaching the fake API through a kubeconfig and reading its thresholds from a profile file: an erroring
     canary is rolled back by the component too, and the pointer left alone."""
@@ -237,7 +255,7 @@ def test_the_component_decides_and_reports(revisions, prometheus, examples, mode
 
     revisions["fault_file"].write_text("error")
     api = FakeApi(traffic={"prev": revisions["stable"], "latest": revisions["canary"]})
-    store = start_canary(api, model_dir, tmp_path)
+    store = start_canary(api, floor_dir, tmp_path)
     (tmp_path / "kubeconfig").write_text(api.kubeconfig())
     # the client reads $KUBECONFIG once, at import: point its default at the file
     monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "kubeconfig"))

@@ -27,7 +27,7 @@ from serving.rollout import Plan, promote, rollout
 from serving.schema import ServeConfig
 from serving.serve_local import free_port, wait_ready
 from serving.transformer import FeastTransformer, TransformerConfig
-from tests.serving.conftest import MODEL, spawn, start, stop
+from tests.serving.conftest import MODEL, log_since, raw_http, spawn, start, stop
 from tests.serving.test_rollout import OVERLAY, FakeKube
 
 JSON = {"content-type": "application/json"}
@@ -88,11 +88,38 @@ def hostile(items: list[str]) -> list[tuple[str, str, bytes, str | None, int, st
         ("v2 data element malformed", V2, v1(v2_body(["{not json"])), "application/json", 400, "inputs[0].data[0]: malformed JSON"),
         ("v2 data element nested 100 deep", V2, v1(v2_body(["[" * 100 + "]" * 100])), "application/json", 400, "inputs[0].data[0]: JSON nested"),
         ("v2 data element tau NaN", V2, v1(v2_body([json.dumps({**good, "tau": float("nan")})])), "application/json", 400, "inputs[0].data[0].tau"),
-        ("v2 id a number", V2, v1(v2_body([json.dumps(good)], id=5)), "application/json", 400, "id: must be a string"),
+        ("v2 id a number", V2, v1(v2_body([json.dumps(good)], id=5)), "application/json", 400, "id: must be a non-empty string"),
         ("v2 unknown output", V2, v1(v2_body([json.dumps(good)], outputs=[{"name": "logits"}])), "application/json", 400, "outputs"),
         ("v2 unknown input parameter", V2, v1({"inputs": [{**v2_body([json.dumps(good)])["inputs"][0], "parameters": {"binary_data": True}}]}), "application/json", 400, "inputs[0].parameters.binary_data"),
         ("v2 unknown parameters key", V2, v1(v2_body([json.dumps(good)], parameters={"beam": 4})), "application/json", 400, "parameters.beam: unknown field"),
+        # issue 36: numbers no float or int holds, lone surrogates, unbounded ids, what kserve's v2 model refuses
+        ("tau an integer literal of 2^1024", V1, raw_inst(good_raw, "tau", str(2**1024)), "application/json", 400, "instances[0].tau"),
+        ("tau an integer of 5,000 digits", V1, raw_inst(good_raw, "tau", "7" * 5000), "application/json", 400, "instances[0].tau"),
+        ("trace an integer of 5,000 digits", V1, raw_inst(good_raw, "trace", "7" * 5000), "application/json", 400, "instances[0].trace"),
+        ("parameters.tau an integer of 400 digits", V1, f'{{"instances": [{json.dumps(good)}], "parameters": {{"tau": {"9" * 400}}}}}'.encode(), "application/json", 400, "parameters.tau"),
+        ("v2 shape an integer of 5,000 digits", V2, v1(v2_body([json.dumps(good)], shape=["LONG"])).replace(b'"LONG"', b"1" * 5000), "application/json", 400, "inputs[0].shape"),
+        ("user_id a lone surrogate", V1, raw_inst(good_raw, "user_id", '"\\udc80"'), "application/json", 400, "instances[0].user_id: not valid Unicode"),
+        ("candidate id a lone surrogate", V1, inst(candidates=[items[0], "a\udc80"]), "application/json", 400, "instances[0].candidates[1]: not valid Unicode"),
+        ("v2 history with a lone surrogate", V2, v1(v2_body([json.dumps({**good, "history": [items[0], "\ud800"]})])), "application/json", 400, "inputs[0].data[0].history[1]: not valid Unicode"),
+        ("unknown field name a lone surrogate", V1, inst(**{"x\udc80": 1}), "application/json", 400, "instances[0].x"),
+        ("history id of 300 chars", V1, inst(history=[items[0], "h" * 300]), "application/json", 400, "instances[0].history[1]"),
+        ("history id empty", V1, inst(history=[""]), "application/json", 400, "instances[0].history[0]"),
+        ("v2 id of 10,000 chars", V2, v1(v2_body([json.dumps(good)], id="i" * 10_000)), "application/json", 400, "id: must be a non-empty string of at most"),
+        ("v2 id a lone surrogate", V2, v1(v2_body([json.dumps(good)], id="\udfff")), "application/json", 400, "id: not valid Unicode"),
+        ("v2 input name of 1,000 chars", V2, v1({"inputs": [{**v2_body([json.dumps(good)])["inputs"][0], "name": "n" * 1000}]}), "application/json", 400, "inputs[0].name"),
+        ("v2 content_type an object", V2, v1({"inputs": [{**v2_body([json.dumps(good)])["inputs"][0], "parameters": {"content_type": {"a": 1}}}]}), "application/json", 400, "inputs[0].parameters.content_type"),
+        ("v2 content_type null", V2, v1({"inputs": [{**v2_body([json.dumps(good)])["inputs"][0], "parameters": {"content_type": None}}]}), "application/json", 400, "inputs[0].parameters.content_type"),
+        ("v2 output with parameters", V2, v1(v2_body([json.dumps(good)], outputs=[{"name": "predictions", "parameters": {"binary_data": [1]}}])), "application/json", 400, "outputs[0].parameters: unknown field"),
+        ("v2 shape [1.0]", V2, v1(v2_body([json.dumps(good)], shape=[1.0])), "application/json", 400, "inputs[0].shape"),
+        ("v2 shape [true]", V2, v1(v2_body([json.dumps(good)], shape=[True])), "application/json", 400, "inputs[0].shape"),
+        ("11 candidates (more than the model's 10)", V1, inst(candidates=items[:11]), "application/json", 400, "instances[0].candidates: too many candidates (11 > 10"),
     ]  # fmt: skip
+
+
+def raw_inst(good_raw: str, field: str, literal: str) -> bytes:
+    """A v1 body whose one instance has `field` written as the raw JSON `literal` (what json.dumps cannot write:
+    a 5,000-digit integer, a lone-surrogate escape)."""
+    return f'{{"instances": [{good_raw}, "{field}": {literal}}}]}}'.encode()
 
 
 HOSTILE_KINDS = [h[0] for h in hostile(["a", "b", "c"])]
@@ -128,17 +155,7 @@ def test_deep_json_is_a_400_and_the_keep_alive_connection_still_serves(server, i
             r = client.post(V1, content=deep, headers=JSON)
             assert r.status_code == 400 and r.json()["error"].startswith("body: JSON nested 1001 levels")
             r = client.post(V1, json=good)
-            assert r.status_code == 200 and r.json()["predictions"][0]["ranking"] == items[:3]
-
-
-def _log_since(path, offset: int, marker: str) -> str:
-    """The server log written after `offset`, once `marker` shows up in it (the server writes it async)."""
-    for _ in range(100):
-        text = path.read_text(errors="replace")[offset:]
-        if marker in text:
-            return text
-        time.sleep(0.1)
-    return text
+            assert r.status_code == 200 and sorted(r.json()["predictions"][0]["ranking"]) == sorted(items[:3])
 
 
 PER_REQUEST = ("uvicorn.access", "kserve.trace")  # the loggers that write a line for every request
@@ -158,7 +175,7 @@ def test_each_rejection_is_one_log_line_without_a_traceback(server, items):
         offset = len(server["log"].read_text(errors="replace"))
         r = httpx.post(server["url"] + path, json=body, timeout=30)
         assert r.status_code == status and needle in r.json()["error"]
-        text = _log_since(server["log"], offset, needle)
+        text = log_since(server["log"], offset, needle)
         # besides the access and timing lines every request gets, one line that says what was wrong
         lines = [
             line for line in text.splitlines() if needle in line and not any(p in line for p in PER_REQUEST)
@@ -175,7 +192,7 @@ def test_a_200_kb_user_id_is_not_echoed_whole(server, items):
     )
     assert r.status_code == 400 and r.json()["error"].startswith("instances[0].user_id")
     assert len(r.content) < 1000
-    text = _log_since(server["log"], offset, "instances[0].user_id")
+    text = log_since(server["log"], offset, "instances[0].user_id")
     assert "instances[0].user_id" in text and huge[:1000] not in text
 
 
@@ -202,7 +219,11 @@ def test_transformer_does_not_refuse_the_bytes_it_adds(transformer, ml_slice, it
 
 
 def test_transformer_validates_the_whole_request_before_the_feature_lookup():
-    t = FeastTransformer("reranker", TransformerConfig("127.0.0.1:1", feast_url="http://127.0.0.1:1"))
+    t = FeastTransformer(
+        "reranker",
+        TransformerConfig("127.0.0.1:1", feast_url="http://127.0.0.1:1"),
+        ServeConfig(max_candidates=10),  # serve_local's --max_candidates, the model's N
+    )
     t.load()
     looked_up = []
 
@@ -212,8 +233,14 @@ def test_transformer_validates_the_whole_request_before_the_feature_lookup():
 
     t.online_features = lookup
     many = {"instances": [{"user_id": "1", "candidates": [f"i{k}" for k in range(43_292)]}]}
-    with pytest.raises(ValueError, match=r"instances\[0\]\.candidates: too many candidates \(43292 > 100\)"):
+    with pytest.raises(ValueError, match=r"instances\[0\]\.candidates: too many candidates \(43292 > 10\)"):
         asyncio.run(t(many))
+    # the finding: 64 instances of 100 candidates took 0.45 s of Feast lookups before the predictor's 400
+    wide = {
+        "instances": [{"user_id": str(k), "candidates": [f"i{j}" for j in range(100)]} for k in range(64)]
+    }
+    with pytest.raises(ValueError, match=r"instances\[0\]\.candidates: too many candidates \(100 > 10\)"):
+        asyncio.run(t(wide))
     late = {
         "instances": [
             {"user_id": "1", "candidates": ["a", "b"]},
@@ -304,6 +331,10 @@ def edge(tmp_path_factory):
         "3",
         "--body_timeout_s",
         "3",
+        "--idle_timeout_s",
+        "2",
+        "--header_timeout_s",
+        "2",
     ]
     proc, port = start([*args, "--enable_model_control"], log)
     url = f"http://127.0.0.1:{port}"
@@ -385,6 +416,28 @@ def test_a_half_sent_body_gets_408(edge):
     assert answer.startswith("HTTP/1.1 408"), answer[:200]
     assert '{"error": "body: not received within 3 s' in answer
     assert httpx.post(edge["url"] + V1, json=GOOD, timeout=30).status_code == 200
+
+
+def test_idle_and_slow_header_connections_are_closed(edge):
+    """The finding: a connection that never sends a byte, or sends one header byte every 10 s, stayed open for
+    ever. `edge` runs with --idle_timeout_s 2 --header_timeout_s 2."""
+    port = edge["port"]
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:  # never sends a byte
+        t0 = time.monotonic()
+        assert s.recv(1024) == b""  # closed by the server (within the socket's 30 s, else TimeoutError)
+        assert time.monotonic() - t0 >= 1.5  # not at once: after the idle timeout
+    status, answer = raw_http(
+        port, [bytes([b]) for b in f"POST {V1} HTTP/1.1\r\nhost: x\r\n".encode()], pause_s=0.5
+    )  # one byte every 0.5 s
+    assert status == 408 and json.loads(answer)["error"] == "headers: not received within 2 s"
+    # after a response, an idle keep-alive connection is closed too
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n\r\n")
+        answer = b""
+        while chunk := s.recv(65536):  # the answer, then the server closes (else TimeoutError after 30 s)
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"live":true}')
+    assert httpx.get(f"{edge['url']}/v2/health/ready", timeout=30).status_code == 200
 
 
 def test_unload_with_model_control_on_takes_the_server_out_of_rotation(edge):

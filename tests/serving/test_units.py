@@ -104,6 +104,29 @@ def test_batcher_never_blocks_the_event_loop_and_survives_errors():
     assert first.result.ranking == ["a", "b"] and again.result.ranking == ["b", "a"]
 
 
+def test_a_request_that_fails_in_the_model_fails_only_itself():
+    """A shared model call that raises is run again one request at a time: the request that fails gets its own
+    error, the others their rankings (one client's request never fails another's)."""
+    calls = []
+
+    def rank(reqs, decoder, tau):
+        calls.append(len(reqs))
+        if any(r.user_id == "poison" for r in reqs):
+            raise ValueError("cannot rank this one")
+        return FloorReranker().rank(reqs)
+
+    async def main():
+        b = MicroBatcher(rank, max_batch=8, max_wait_ms=50)
+        users = ["a", "poison", "b", "c"]
+        reqs = [RankRequest(u, ["x", "y", "z"][: 2 + k % 2], []) for k, u in enumerate(users)]
+        return await asyncio.gather(*(b.submit(r, "ar", 1.0) for r in reqs), return_exceptions=True)
+
+    a, poison, b, c = asyncio.run(main())
+    assert isinstance(poison, ValueError) and str(poison) == "cannot rank this one"
+    assert [t.result.ranking for t in (a, b, c)] == [["x", "y"], ["x", "y"], ["x", "y", "z"]]
+    assert calls == [4, 1, 1, 1, 1] and {t.batch_size for t in (a, b, c)} == {1}
+
+
 def test_predictor_loads_from_s3_uri(tmp_path, monkeypatch):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -256,3 +279,15 @@ def test_spec_requests_default_to_the_models_spec_tau():
         out = asyncio.run(p.predict(body))
         assert sorted(seen) == sorted(want), body
         assert sorted((r["decoder"], r["tau"]) for r in out["predictions"]) == sorted(want)
+
+
+def test_serve_local_takes_the_edge_candidate_cap_from_a_local_model(tmp_path):
+    """The transformer refuses more candidates than the model ranks before any feature lookup: serve_local reads N
+    from a local model directory (a storage URI is the predictor's to read; then --max_candidates)."""
+    from serving.serve_local import model_candidates, parse_args
+
+    model = FloorReranker(n_candidates=7).save(tmp_path / "m")
+    assert model_candidates(str(model)) == 7
+    assert model_candidates("s3://bucket/model") is None and model_candidates(str(tmp_path / "none")) is None
+    a = parse_args(["--max_candidates", "12", "--idle_timeout_s", "3", "--header_timeout_s", "1.5"])
+    assert (a.max_candidates, a.idle_timeout_s, a.header_timeout_s) == (12, 3, 1.5)

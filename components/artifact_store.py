@@ -87,19 +87,26 @@ class LocalBackend:
         return str(self._path(key).resolve())
 
 
+def s3_client(endpoint_url: str | None = None) -> Any:
+    """The one boto3 S3 client of the project (the artifact store and the nightly event log,
+    components/event_log.py): `endpoint_url` (else S3_ENDPOINT_URL) points it at MinIO/moto, path-style
+    addressing for those; credentials come from the environment (the Secret, pipelines/resources.py)."""
+    import boto3  # lazy: the local backend must work without boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url or os.environ.get("S3_ENDPOINT_URL") or None,
+        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 3, "mode": "standard"}),
+    )
+
+
 class S3Backend:
-    """boto3 S3 client; `endpoint_url` points it at MinIO/moto (path-style addressing for those)."""
+    """boto3 S3 client (`s3_client`) on one bucket."""
 
     def __init__(self, bucket: str, endpoint_url: str | None = None, client: Any = None):
-        import boto3  # lazy: the local backend must work without boto3
-        from botocore.config import Config
-
         self.bucket = bucket
-        self.client = client or boto3.client(
-            "s3",
-            endpoint_url=endpoint_url,
-            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 3, "mode": "standard"}),
-        )
+        self.client = client or s3_client(endpoint_url)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=key, Body=data)

@@ -53,14 +53,29 @@ def ingest(
     max_users: int = 0,
     cache_dir: str | Path = REPO_ROOT / ".cache",
 ) -> dict[str, Any]:
-    """Load a dataset (name or path), compute event times and write the sources folder."""
+    """Load a dataset (name, path, or an event log s3://... read as of `snapshot_date`), compute event times
+    and write the sources folder. For an event log, meta.json's `objects` lists every object read, with its
+    ETag (components/event_log.py), so the night can be replayed."""
     t0 = time.perf_counter()
     prof = as_profile(profile)
     # An unset snapshot date is the run's own UTC date: every night's data is stamped with its real date.
     snapshot_date = snapshot_date or time.strftime("%Y-%m-%d", time.gmtime())
-    ds = _slice_users(load_dataset(resolve_dataset(dataset, cache_dir)), max_users)
+    objects = None
+    if dataset.startswith("s3://"):
+        from components.event_log import read_event_log
+
+        ds, objects = read_event_log(dataset, snapshot_date)
+    else:
+        ds = load_dataset(resolve_dataset(dataset, cache_dir))
+    ds = _slice_users(ds, max_users)
     meta = sources.write_sources(
-        ds, out_dir, prof.data.history_len, item_tables(ds, prof), snapshot_date, prof.data.eval_positions
+        ds,
+        out_dir,
+        prof.data.history_len,
+        item_tables(ds, prof),
+        snapshot_date,
+        prof.data.eval_positions,
+        {"source": dataset, "objects": objects} if objects is not None else None,
     )
     meta["seconds"] = round(time.perf_counter() - t0, 2)
     return meta

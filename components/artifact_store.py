@@ -350,3 +350,10 @@ def production_record(production_json: str = "", **store_kwargs: Any) -> dict[st
     if production_json:
         return json.loads(production_json)
     return open_store(**{k: v for k, v in store_kwargs.items() if v}).production()
+
+
+def publish(run_id: str, stage: str, report: dict[str, Any], **store_kwargs: Any) -> Manifest:
+    """Record one step's result of a run as `<run_id>/<stage>/report.json` in the configured store (store_kwargs
+    as for `open_store`; empty values fall back to env): the run's outcome step reads them back
+    (components/record_outcome.py), since an exit handler cannot take the inner tasks' outputs."""
+    return open_store(**{k: v for k, v in store_kwargs.items() if v}).upload(run_id, stage, report=report)

@@ -151,3 +151,10 @@ def read_table(path: str | Path) -> pd.DataFrame:
     if "retriever_scores" in df:
         df["retriever_scores"] = [[float(x) for x in v] for v in df["retriever_scores"]]
     return df
+
+
+def read_test_lists(examples_path: str | Path, max_lists: int = 0) -> pd.DataFrame:
+    """The test lists every model is scored on: the examples' test split, its first `max_lists` (0 = all)."""
+    ex = read_table(examples_path)
+    test = ex[ex["split"] == "test"].reset_index(drop=True)
+    return test.head(max_lists) if max_lists else test

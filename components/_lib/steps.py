@@ -20,6 +20,8 @@ from components._lib.paths import REPO_ROOT
 from gr2.config import Profile, load_profile
 from gr2.data.dataset import Dataset, load_dataset, resolve_dataset
 
+DATA_DOCS = "data_docs.html"  # a validation step's Great Expectations Data Docs page
+
 
 def as_profile(profile: str | Profile) -> Profile:
     """A profile object from a name or path (steps take either)."""
@@ -139,7 +141,8 @@ def validate(
 ):
     """GX suites over interactions, items and a targets table (stage="targets") or examples ("examples").
 
-    Writes validation.json and validation.md into `out_dir`; returns the ValidationReport.
+    Writes validation.json, validation.md and Great Expectations' Data Docs (data_docs.html) into `out_dir`;
+    returns the ValidationReport.
     """
     from components._lib.validation import Bounds, validate_tables
 
@@ -154,7 +157,7 @@ def validate(
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report.write(out / "validation.json", out / "validation.md")
+    report.write(out / "validation.json", out / "validation.md", out / DATA_DOCS)
     return report
 
 
@@ -301,5 +304,5 @@ def validate_dataset(
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report.write(out / "validation.json", out / "validation.md")
+    report.write(out / "validation.json", out / "validation.md", out / DATA_DOCS)
     return report

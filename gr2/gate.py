@@ -245,7 +245,14 @@ def run_gate(
     decision = decide(report["rows"], candidate, data_validation, production, prof.gate, paired)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"candidate": candidate, **decision.to_dict(), "production": production, "paired": paired}
+    row = find_row(report["rows"], candidate)
+    result = {
+        "candidate": candidate,
+        f"candidate_{METRIC}": None if row is None else row[METRIC],
+        **decision.to_dict(),
+        "production": production,
+        "paired": paired,
+    }
     (out / "decision.json").write_text(json.dumps(result, indent=2) + "\n")
     report["gate"] = {"passed": decision.passed, "reasons": decision.reasons}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -129,14 +129,23 @@ def run_local(
     # Components import gr2/components from the project; the subprocesses inherit this environment.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
+    # The artifact store of the steps (production pointer, uploads, each step's published result, the outcome):
+    # the configured one (GR2_S3_BUCKET or GR2_ARTIFACT_ROOT), else <runs_dir>/artifacts.
+    own_root = not os.environ.get("GR2_S3_BUCKET") and not os.environ.get("GR2_ARTIFACT_ROOT")
+    if own_root:
+        os.environ["GR2_ARTIFACT_ROOT"] = str(Path(runs_dir).resolve() / "artifacts")
     t0 = time.perf_counter()
-    gr2_pipeline(
-        dataset=dataset,
-        profile=profile,
-        snapshot_date=snapshot_date or f"{datetime.now(UTC):%Y-%m-%d}",
-        max_users=max_users,
-        bounds_json=bounds_json,
-    )
+    try:
+        gr2_pipeline(
+            dataset=dataset,
+            profile=profile,
+            snapshot_date=snapshot_date or f"{datetime.now(UTC):%Y-%m-%d}",
+            max_users=max_users,
+            bounds_json=bounds_json,
+        )
+    finally:
+        if own_root:
+            del os.environ["GR2_ARTIFACT_ROOT"]
     seconds = time.perf_counter() - t0
     out: dict = {"run_dir": str(run_dir), "report": None, "validation": [], "seconds": round(seconds, 1)}
     for v in sorted(root.glob("**/validation.json")):

@@ -1,26 +1,12 @@
-"""S3 for tests: moto's real HTTP server on loopback (`s3_endpoint`, a fixture in tests/conftest.py), and the
-environment every component reads its store and event log from (`use_bucket`)."""
+"""S3 for tests: moto's real HTTP server on loopback (`moto_server`, the nightly replay's; the fixture
+`s3_endpoint` in tests/conftest.py), and the environment every component reads its store and event log from
+(`use_bucket`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 
-
-@contextmanager
-def moto_server() -> Iterator[str]:
-    """A moto S3 server on 127.0.0.1 (a free port); yields its URL."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
+from pipelines.nightly import local_s3 as moto_server  # noqa: F401 (the tests' S3 server: the replay's)
 
 
 def use_bucket(monkeypatch: pytest.MonkeyPatch, endpoint: str, bucket: str, prefix: str = "reranker"):

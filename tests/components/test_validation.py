@@ -7,10 +7,9 @@ import json
 import pandas as pd
 import pytest
 
-from components._lib import sources, steps
+from components._lib import sources
 from components._lib.validation import Bounds, validate_tables
-from gr2.data.split import build_targets
-from tests.components.slices import SLICE_BOUNDS, ingest_slice
+from tests.components.slices import SLICE_BOUNDS, examples_slice
 
 N = 10
 
@@ -22,13 +21,10 @@ def slice_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tables(slice_root):
-    root = slice_root
-    src = ingest_slice(root / "sources")
-    ds = sources.read_dataset(src)
-    targets = build_targets(sources.read_dataset(src, event_ts=False), 20)
-    targets.to_parquet(root / "targets.parquet", index=False)
-    steps.candidates(src, root / "targets.parquet", root / "examples.parquet", "quick")
-    return ds, targets, sources.read_table(root / "examples.parquet")
+    src, examples = examples_slice(slice_root)
+    targets = pd.read_parquet(slice_root / "targets.parquet")
+    targets["history"] = [list(h) for h in targets["history"]]
+    return sources.read_dataset(src), targets, sources.read_table(examples)
 
 
 def _run(ds, table, n=N, interactions=None):

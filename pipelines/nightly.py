@@ -106,9 +106,12 @@ def promotion(events: pd.DataFrame, date: str, share: float, n_items: int, catal
     )
 
 
-def _first(root: Path, pattern: str) -> Path | None:
+def _one(root: Path, pattern: str) -> Path:
+    """The one file of a run matching `pattern` (a night writes one outcome and at most one deploy plan)."""
     hits = sorted(root.glob(pattern))
-    return hits[0] if hits else None
+    if len(hits) != 1:
+        raise RuntimeError(f"{root}: expected one {pattern}, found {len(hits)}")
+    return hits[0]
 
 
 def _who(record: dict | None) -> str | None:
@@ -151,12 +154,10 @@ def run_night(
         overrides={**overrides, **(degraded if fault == "degraded" else {})},
     )
     root = Path(res["run_dir"]) / "kfp"
-    outcome_path = _first(root, "**/outcome/outcome.json")
-    assert outcome_path is not None, f"night {date}: no outcome recorded"
-    outcome = json.loads(outcome_path.read_text())
+    outcome = json.loads(_one(root, "**/outcome/outcome.json").read_text())
     promoted = None
     if outcome["result"] == "passed_gate":  # the canary's promotion, of the exact attempt deploy uploaded
-        plan = json.loads(_first(root, "**/plan/plan.json").read_text())
+        plan = json.loads(_one(root, "**/plan/plan.json").read_text())
         promoted = store.promote(plan["run_id"], plan["stage"], plan["record"], attempt=plan["attempt"])
     after = store.production()
     wall = time.perf_counter() - t0

@@ -37,10 +37,10 @@ def gate(
     paired comparison on tonight's lists. Without it the record is read from the store and nothing was scored
     (with a model in production the rule then fails). `production_json` overrides both ("null" = nothing in
     production). With `run_id` the decision is also published to the store for the run's outcome."""
-    import json
     import shutil
     from pathlib import Path
 
+    from components._lib.champion import read_comparison
     from components.artifact_store import production_record, publish
     from gr2.gate import run_gate
 
@@ -52,8 +52,7 @@ def gate(
     }
     paired = None
     if champion is not None and not production_json:
-        scored = json.loads((Path(champion.path) / "champion.json").read_text())
-        prod, paired = scored["production"], scored["paired"]
+        prod, paired = read_comparison(champion.path)
     else:
         prod = production_record(production_json, **store)
     res = run_gate(report.path, decision.path, candidate, data_validation_passed, profile, prod, paired)

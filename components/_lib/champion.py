@@ -31,6 +31,12 @@ DATA_PROFILE = "data_profile"  # the artifact-store stage of a night's data prof
 CHAMPION = "champion"  # ... and of this step's result
 
 
+def read_comparison(out_dir: str | Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(production record, paired comparison) from a champion output folder: what the gate decides on."""
+    scored = json.loads((Path(out_dir) / "champion.json").read_text())
+    return scored["production"], scored["paired"]
+
+
 def _score_production(store: Any, test, candidate_dir: str | Path, prof: Profile) -> dict[str, Any]:
     """Production's and the candidate's rankings of `test`: {"paired", "predictions"} or {"error"}."""
     import torch

@@ -393,6 +393,7 @@ def test_cli_exposes_every_step():
         "convert-cft",
         "distill",
         "evaluate-models",
+        "champion",
         "gate",
         "deploy",
         "canary-analysis",

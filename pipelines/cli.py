@@ -327,10 +327,9 @@ def gate(
     ),
 ) -> None:
     """Decide promotion with the gate rules (docs/CONTRACTS.md); prints the reasons, exits 1 when the gate fails."""
+    from components._lib.champion import read_comparison
     from components.artifact_store import production_record
     from gr2.gate import run_gate
-
-    from components._lib.champion import read_comparison
 
     paired = None
     if champion is not None and not production_json:

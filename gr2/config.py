@@ -286,8 +286,12 @@ class DriftConfig:
     max_psi: float = 0.2
     max_new_users: float = 0.2  # share of tonight's users production's data did not have
     max_new_items: float = 0.2  # share of tonight's items (with events) production's data did not have
-    # Predictions, production against the candidate on tonight's test lists.
-    min_top1_agreement: float = 0.5  # share of lists whose top-1 is the same
+    # Predictions, production against the candidate on tonight's test lists. Measured on a Beauty calibration
+    # slice (docs/NIGHTLY.md): two trained students agree on 0.81 of top-1s (Spearman 0.84); a trained model and
+    # the upstream order agree on 0.45-0.49 (Spearman 0.65-0.72). The thresholds sit below the upstream order's
+    # level: a model that falls back to the retriever order is the gate's business (floor and production rules);
+    # the warning is for a model that ranks unlike production more than not re-ranking at all would.
+    min_top1_agreement: float = 0.4  # share of lists whose top-1 is the same
     min_rank_corr: float = 0.5  # mean Spearman correlation of the two rankings of a list
     max_values: int = 20000  # values kept per distribution in a night's data profile (a seeded sample)
 

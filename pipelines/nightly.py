@@ -1,6 +1,6 @@
 """Replay a month of nightly runs through the real DAG (`make nightly`): benchmarks/nightly.json / .md / .png.
 
-    python -m pipelines.nightly --dataset amazon_beauty --users 2500 --profile quick
+    python -m pipelines.nightly --dataset amazon_beauty --users 6000 --profile quick
 
 One object store stands in for the platform's (moto's S3 server on loopback, as the tests use). It holds the
 nightly source, an event log that grows a partition a night (components/event_log.py), and the artifact store
@@ -44,10 +44,13 @@ from gr2.data.dataset import load_dataset, resolve_dataset
 
 FAULTS = ("corrupted", "degraded", "shifted")
 # The quick profile on a Beauty slice, changed where the slice needs it (measured on a calibration slice of 3,000
-# other users, docs/NIGHTLY.md): Beauty's leave-one-out and its retriever (profiles/bench.yaml); a training budget
-# in steps, at batch 16, that the AR teacher learns in (its recall@1 0.21 = the floor after quick's 3 epochs of
-# 1,400 lists, 0.48 after 600 steps) and that fits a night; and the gate's AR and GBDT margins at 0.05, since one
-# of ~200 test lists is 0.005 of recall@1 and the whole-dataset margins of 0.01 would flip on two lists.
+# other users and a first attempt, docs/NIGHTLY.md): Beauty's leave-one-out and its retriever (profiles/bench.yaml);
+# a training budget in steps, at batch 16, that the AR teacher learns in (recall@1 0.21 = the floor after quick's 3
+# epochs of 1,400 lists, 0.48 after 600 steps) and that fits a night, CFT 500 steps (0.46); a short speed table and
+# no speed rule (on a 2-core machine shared with other jobs a night's timing interval is noise: 2.27x [1.70, 3.03]
+# in the first attempt; speed has its own benchmarks); the gate's AR and GBDT margins at 0.1 (a quick model on a
+# slice stays below the GBDT: 0.46 against 0.50 in the calibration). The production rule, the one under test, keeps
+# its tolerance (0.005) and its paired CI; the floor, validity and data rules are as in quick.
 SLICE_OVERRIDES = {
     "data.eval_positions": 1,
     "data.max_train_examples": 1000,
@@ -58,10 +61,14 @@ SLICE_OVERRIDES = {
     "sft.max_steps": 500,
     "sft.epochs": 100.0,
     "cft.batch_size": 16,
-    "cft.max_steps": 300,
+    "cft.max_steps": 500,
     "cft.epochs": 100.0,
-    "gate.max_gap_to_ar": 0.05,
-    "gate.max_gap_to_ltr": 0.05,
+    "eval.speed_examples": 4,
+    "eval.speed_batch_examples": 32,
+    "eval.speed_repeats": 2,
+    "gate.min_speedup": 0.0,
+    "gate.max_gap_to_ar": 0.1,
+    "gate.max_gap_to_ltr": 0.1,
 }
 DEFAULT_NIGHTS = (
     "2014-06-15,2014-06-20,2014-06-25:corrupted,2014-06-30:degraded,2014-07-05,2014-07-10:shifted"
@@ -443,7 +450,7 @@ def _short(who: str | None) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="amazon_beauty")
-    ap.add_argument("--users", type=int, default=2500, help="N users in id order (0 = all)")
+    ap.add_argument("--users", type=int, default=6000, help="N users in id order (0 = all)")
     ap.add_argument("--offset", type=int, default=0, help="... from this one (another slice: a calibration)")
     ap.add_argument(
         "--nights", default=DEFAULT_NIGHTS, help="DATE[:FAULT],... (faults: corrupted, degraded, shifted)"

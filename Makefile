@@ -16,7 +16,7 @@ unexport PYTHONDONTWRITEBYTECODE
 KUBECTL_SHA256 := 65691ff77eb6fa44c908b77a1082c9f092c3b9733b5cefabec0d1104890e21a8
 
 .DEFAULT_GOAL := help
-.PHONY: help install setup-test run bench test test-fast test-containers smoke-pretrained lint format compile lock clean serve loadtest images
+.PHONY: help install setup-test run bench nightly test test-fast test-containers smoke-pretrained lint format compile lock clean serve loadtest images
 
 help: ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -37,7 +37,10 @@ run: install ## whole pipeline locally (kfp.local) on the embedded default (Movi
 bench: install ## benchmark profile (DATASET=amazon_beauty by default); writes benchmarks/<dataset>.json/.md
 	$(PY) -m pipelines.run_local --profile bench --dataset $(if $(filter command line,$(origin DATASET)),$(DATASET),$(BENCH_DATASET)) --benchmark-dir benchmarks --command "make bench$(if $(filter command line,$(origin DATASET)), DATASET=$(DATASET))"
 
-setup-test: ## install (or name) the system tools the tests need: Prometheus (scripts/setup-system.sh)
+nightly: setup-test install ## replay a month of nightly runs on Beauty (quick profile, 3 injected faults) -> benchmarks/nightly.json/.md/.png
+	$(PY) -m pipelines.nightly
+
+setup-test: ## install (or name) the system tools the tests need: Prometheus, Chromium (scripts/setup-system.sh)
 	scripts/setup-system.sh test
 
 test: setup-test install ## all tests

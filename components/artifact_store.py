@@ -139,20 +139,27 @@ class LocalBackend:
         return str(self._path(key).resolve())
 
 
+def s3_client(endpoint_url: str | None = None) -> Any:
+    """The one boto3 S3 client of the project (the artifact store and the nightly event log,
+    components/event_log.py): `endpoint_url` (else S3_ENDPOINT_URL) points it at MinIO/moto, path-style
+    addressing for those; credentials come from the environment (the Secret, pipelines/resources.py)."""
+    import boto3  # lazy: the local backend must work without boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url or os.environ.get("S3_ENDPOINT_URL") or None,
+        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 3, "mode": "standard"}),
+    )
+
+
 class S3Backend:
-    """boto3 S3 client; `endpoint_url` points it at MinIO/moto (path-style addressing for those). Every botocore
-    failure becomes an ArtifactError naming the key."""
+    """boto3 S3 client (`s3_client`) on one bucket. Every botocore failure becomes an ArtifactError naming the
+    key."""
 
     def __init__(self, bucket: str, endpoint_url: str | None = None, client: Any = None):
-        import boto3  # lazy: the local backend must work without boto3
-        from botocore.config import Config
-
         self.bucket = bucket
-        self.client = client or boto3.client(
-            "s3",
-            endpoint_url=endpoint_url,
-            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 3, "mode": "standard"}),
-        )
+        self.client = client or s3_client(endpoint_url)
 
     @contextlib.contextmanager
     def _errors(self, key: str, what: str) -> Iterator[None]:
@@ -477,3 +484,10 @@ def production_record(production_json: str = "", **store_kwargs: Any) -> dict[st
     if production_json:
         return json.loads(production_json)
     return open_store(**{k: v for k, v in store_kwargs.items() if v}).production()
+
+
+def publish(run_id: str, stage: str, report: dict[str, Any], **store_kwargs: Any) -> Manifest:
+    """Record one step's result of a run as `<run_id>/<stage>/report.json` in the configured store (store_kwargs
+    as for `open_store`; empty values fall back to env): the run's outcome step reads them back
+    (components/record_outcome.py), since an exit handler cannot take the inner tasks' outputs."""
+    return open_store(**{k: v for k, v in store_kwargs.items() if v}).upload(run_id, stage, report=report)

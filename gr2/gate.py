@@ -13,7 +13,10 @@ Rules (each one line in `reasons`, prefixed PASS/FAIL/SKIP):
   validity   validity >= min_validity
   speedup    the lower bound of speedup_vs_ar's 95% interval over the timing repeats (speedup_ci95; the point
              estimate when the row has no interval) >= min_speedup (only when the row reports a speedup)
-  production candidate recall@1 >= production recall@1 - max_drop_vs_production (only with a production model)
+  production champion against challenger (only with a production model): both scored on tonight's test lists
+             (components/_lib/champion.py); fails when the paired 95% CI of candidate - production recall@1
+             lies wholly below -max_drop_vs_production, and when the production model could not be scored.
+             The figure stored in the production record (another night's lists) is reported for history only.
 """
 
 from __future__ import annotations
@@ -22,16 +25,17 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gr2.config import GateConfig
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 METRIC = "recall@1"  # the headline metric every comparison uses
 FLOOR_MODEL = "floor"
 AR_MODEL = "ar"
 LTR_MODEL = "ltr"
-# Fallback while GateConfig has no such field: how much worse than production (absolute recall@1) is tolerated.
-DEFAULT_MAX_DROP_VS_PRODUCTION = 0.005
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,12 @@ def decide(
     data_validation: bool | Mapping[str, Any] | None,
     production: Mapping[str, Any] | None,
     cfg: GateConfig,
+    paired: Mapping[str, Any] | None = None,
 ) -> GateDecision:
-    """Apply the gate rules to `candidate`'s report row. Every rule is evaluated (no short-circuit)."""
+    """Apply the gate rules to `candidate`'s report row. Every rule is evaluated (no short-circuit).
+
+    `paired`: the production model and the candidate scored on the same (tonight's) test lists
+    (components/_lib/champion.py `paired`): n_lists, candidate / production recall@1, delta, ci95, or error."""
     checks: dict[str, bool | None] = {}
     reasons: list[str] = []
 
@@ -152,23 +160,61 @@ def decide(
     if production is None:
         record("production", None, "no model in production")
     else:
-        tol = float(getattr(cfg, "max_drop_vs_production", DEFAULT_MAX_DROP_VS_PRODUCTION))
-        prod_metric = production.get(METRIC)
-        if prod_metric is None:
-            record("production", False, f"production record has no {METRIC}: cannot compare")
-        else:
-            p = float(prod_metric)
-            who = production.get("model", "?")
-            run = production.get("run_id")
-            record(
-                "production",
-                cand >= p - tol - 1e-12,
-                f"{METRIC} {cand:.4f} vs production {who}{f' (run {run})' if run else ''} {p:.4f} "
-                f"(delta {cand - p:+.4f}, tolerance {tol})",
-            )
+        record("production", *_production_rule(production, paired, cfg.max_drop_vs_production))
 
     passed = all(v is not False for v in checks.values())
     return GateDecision(passed=passed, reasons=reasons, checks=checks)
+
+
+def _production_rule(
+    production: Mapping[str, Any], paired: Mapping[str, Any] | None, tol: float
+) -> tuple[bool, str]:
+    """Champion against challenger on the same lists; never the stored figure, which was measured on another
+    night's lists (a lucky or unlucky old figure would decide with nothing about either model changed)."""
+    who = f"{production.get('model', '?')}" + (
+        f" (run {production['run_id']})" if production.get("run_id") else ""
+    )
+    stored = production.get(METRIC)
+    history = (
+        f"; stored figure {float(stored):.4f} (its own night's lists, for history)"
+        if stored is not None
+        else ""
+    )
+    if paired is None or paired.get("error") or paired.get("ci95") is None:
+        why = (paired or {}).get("error") or "no paired comparison on tonight's lists was made"
+        return False, f"production {who} could not be scored on tonight's lists: {why}{history}"
+    lo, hi = (float(x) for x in paired["ci95"])
+    below = hi < -tol
+    return (
+        not below,
+        f"{METRIC} on tonight's {paired['n_lists']} test lists: candidate {float(paired['candidate']):.4f} vs "
+        f"production {who} {float(paired['production']):.4f}, delta {float(paired['delta']):+.4f}, paired 95% CI "
+        f"[{lo:+.4f}, {hi:+.4f}] {'wholly' if below else 'not wholly'} below -{tol}{history}",
+    )
+
+
+def paired_comparison(
+    examples: pd.DataFrame,
+    candidate_rankings: Sequence[Sequence[int]],
+    production_rankings: Sequence[Sequence[int]],
+    n_boot: int,
+    seed: int,
+) -> dict[str, Any]:
+    """The production rule's input: candidate and production scored on the same lists (rankings after the
+    fallback, gr2.metrics.apply_fallback), and the paired bootstrap CI of the difference (as the floor's)."""
+    from gr2.metrics import evaluate
+
+    cand = evaluate(
+        examples, candidate_rankings, floor_rankings=production_rankings, n_boot=n_boot, seed=seed
+    )
+    prod = evaluate(examples, production_rankings, n_boot=n_boot, seed=seed)
+    return {
+        "n_lists": len(examples),
+        "candidate": cand[METRIC],
+        "production": prod[METRIC],
+        "delta": cand["delta_vs_floor_mean"][METRIC],
+        "ci95": cand["delta_vs_floor"][METRIC],
+    }
 
 
 def read_report(path: str | Path) -> dict[str, Any]:
@@ -184,8 +230,10 @@ def run_gate(
     data_validation: bool | Mapping[str, Any] | None,
     profile: str = "quick",
     production: Mapping[str, Any] | None = None,
+    paired: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Decide on a report file, then write decision.json, report.json (with `gate`) and gate.md into out_dir."""
+    """Decide on a report file, then write decision.json, report.json (with `gate`) and gate.md into out_dir.
+    `paired`: the champion-against-challenger comparison (see `decide`), also written to decision.json."""
     from gr2.config import load_profile
 
     report = read_report(report_path)
@@ -194,10 +242,17 @@ def run_gate(
         candidate = (
             f"{candidate}@{prof.diffusion.eval_tau}"  # a model decoded at several tau: the operating one
         )
-    decision = decide(report["rows"], candidate, data_validation, production, prof.gate)
+    decision = decide(report["rows"], candidate, data_validation, production, prof.gate, paired)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"candidate": candidate, **decision.to_dict(), "production": production}
+    row = find_row(report["rows"], candidate)
+    result = {
+        "candidate": candidate,
+        f"candidate_{METRIC}": None if row is None else row[METRIC],
+        **decision.to_dict(),
+        "production": production,
+        "paired": paired,
+    }
     (out / "decision.json").write_text(json.dumps(result, indent=2) + "\n")
     report["gate"] = {"passed": decision.passed, "reasons": decision.reasons}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")

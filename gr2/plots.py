@@ -63,3 +63,51 @@ def plot_training_curves(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def plot_nightly(nights: list[dict], path: str | Path) -> Path:
+    """The replayed nights (pipelines/nightly.py): recall@1 of champion and challenger on each night's lists,
+    each night's outcome, the production model's run after it, and the nights with a drift warning."""
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    x = list(range(len(nights)))
+    dates = [n["snapshot_date"] for n in nights]
+    style = {
+        "promoted": ("o", "tab:green"),
+        "held_by_gate": ("X", "tab:red"),
+        "stopped_at_validation": ("s", "grey"),
+    }
+    for i, n in enumerate(nights):
+        champ, chall = n.get("champion_recall@1"), n.get("challenger_recall@1")
+        if champ is not None:
+            ax.scatter(i, champ, marker="_", s=300, color="black", zorder=3)
+        if chall is not None:
+            marker, color = style.get(n["outcome"], ("o", "tab:blue"))
+            ax.scatter(i, chall, marker=marker, s=70, color=color, zorder=3)
+    known = [
+        v for n in nights for v in (n.get("champion_recall@1"), n.get("challenger_recall@1")) if v is not None
+    ]
+    top = max(known, default=0.5) + 0.08
+    bottom = max(min(known, default=0.0) - 0.08, 0.0)
+    ax.set_ylim(bottom, top)
+    for i, n in enumerate(nights):
+        label = n["outcome"].replace("_", " ")
+        if n.get("drift_warnings"):
+            ax.axvspan(i - 0.4, i + 0.4, color="orange", alpha=0.2, lw=0)
+            label += "\nDRIFT WARNING"
+        if n.get("fault"):
+            label += f"\n({n['fault']})"
+        ax.text(i, top - 0.01, label, ha="center", va="top", fontsize=7)
+        prod = (n.get("production_after") or "none").split("/")[0]
+        ax.text(i, bottom + 0.005, f"prod: {prod}", ha="center", va="bottom", fontsize=6, color="dimgrey")
+    ax.scatter([], [], marker="_", s=300, color="black", label="champion (production), tonight's lists")
+    for outcome, (marker, color) in style.items():
+        ax.scatter([], [], marker=marker, color=color, label=f"challenger: {outcome.replace('_', ' ')}")
+    ax.set_xticks(x, dates, rotation=0, fontsize=8)
+    ax.set_xlim(-0.6, len(nights) - 0.4)
+    ax.set_ylabel("recall@1 on the night's test lists")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.set_title("Nightly runs: champion against challenger", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

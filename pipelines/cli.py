@@ -17,7 +17,8 @@ gr2 convert-cft --ar-model runs/x/ar --sft-data ... --naive-out runs/x/naive --o
 gr2 distill --student runs/x/cft --teacher runs/x/ar --sft-data ... --examples ... --out runs/x/opd
 gr2 rl --model runs/x/opd --sft-data ... --examples ... --out runs/x/rl        the deployable student
 gr2 evaluate-models --examples ... --floor-report runs/x/report --ar runs/x/ar ... --out runs/x/models
-gr2 gate --report runs/x/models --out runs/x/decision --candidate rl
+gr2 champion --sources ... --examples ... --candidate runs/x/rl --out runs/x/champion --run-id RUN
+gr2 gate --report runs/x/models --champion runs/x/champion --out runs/x/decision --candidate rl
 gr2 deploy --model runs/x/rl --decision runs/x/decision --out runs/x/plan --run-id RUN [--no-dry-run]
 gr2 canary-analysis --plan runs/x/plan --examples ... --out runs/x/analysis   promote or roll back
 gr2 promote --run-id RUN --stage rl   write the production pointer after a passed canary (by hand)
@@ -295,23 +296,47 @@ def evaluate_models(
 
 
 @app.command()
+def champion(
+    sources: Path = typer.Option(..., help="sources folder (`gr2 ingest`)"),
+    examples: Path = typer.Option(..., help="examples parquet: tonight's test lists"),
+    candidate: Path = typer.Option(..., help="the candidate model folder (the RL student, `gr2 rl`)"),
+    out: Path = typer.Option(..., help="where champion.json / drift.md go"),
+    run_id: str = typer.Option(..., help="this run's id: tonight's data profile is stored under it"),
+    profile: str = typer.Option("quick"),
+) -> None:
+    """Champion against challenger: the production model scored on tonight's test lists beside the candidate,
+    and drift (docs/NIGHTLY.md); the artifact store from the environment. Prints the drift warnings."""
+    from components._lib.champion import champion as run
+
+    res = run(sources, examples, candidate, out, profile, run_id)
+    _echo({"production": res["production"], "paired": res["paired"], "warnings": res["drift"]["warnings"]})
+
+
+@app.command()
 def gate(
     report: Path = typer.Option(..., help="report.json or its folder (from `gr2 evaluate-models`)"),
     out: Path = typer.Option(..., help="where decision.json / report.json / gate.md go"),
     candidate: str = typer.Option("rl", help="row to gate: model[@tau] (no tau: the profile's eval_tau)"),
     data_validation_passed: bool = typer.Option(True, help="result of the data validation"),
     profile: str = typer.Option("quick", help="profile holding the gate thresholds"),
+    champion: Path = typer.Option(
+        None, help="`gr2 champion --out` folder: production and the candidate on tonight's lists"
+    ),
     production_json: str = typer.Option(
         "", help='production record as JSON ("null" = nothing in production; default: the artifact store)'
     ),
 ) -> None:
     """Decide promotion with the gate rules (docs/CONTRACTS.md); prints the reasons, exits 1 when the gate fails."""
+    from components._lib.champion import read_comparison
     from components.artifact_store import production_record
     from gr2.gate import run_gate
 
-    res = run_gate(
-        report, out, candidate, data_validation_passed, profile, production_record(production_json)
-    )
+    paired = None
+    if champion is not None and not production_json:
+        prod, paired = read_comparison(champion)
+    else:
+        prod = production_record(production_json)
+    res = run_gate(report, out, candidate, data_validation_passed, profile, prod, paired)
     typer.echo(f"gate {'PASSED' if res['passed'] else 'FAILED'} for {candidate}")
     for line in res["reasons"]:
         typer.echo(f"- {line}")

@@ -19,25 +19,13 @@ import argparse
 import json
 from pathlib import Path
 
-import pandas as pd
 import torch
 
 from components._lib.paths import repo_relative
-from gr2.config import Profile
-from gr2.generative import GenerativeReranker
-from gr2.metrics import apply_fallback, evaluate
-from gr2.stages.evaluate import decode_answers, load
+from gr2.metrics import evaluate
+from gr2.stages.evaluate import load, rankings
 from pipelines.run_local import run_examples, run_profile
 from pipelines.speed_check import find_bundles
-
-
-def rankings(
-    model: GenerativeReranker, examples: pd.DataFrame, tau: float, profile: Profile
-) -> list[list[int]]:
-    """Greedy rankings of `examples`, invalid outputs replaced by the upstream order (as the report scores them)."""
-    decoder = "ar" if model.block_size == 0 else "diffusion"
-    answers, _ = decode_answers(model, examples, decoder, tau if decoder == "diffusion" else None, profile)
-    return apply_fallback([a.ranking for a in answers], [a.valid for a in answers], profile.data.n_candidates)
 
 
 def top1_breakdown(
@@ -66,7 +54,7 @@ def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> 
     if df.empty:
         raise SystemExit(f"no examples in split {split!r}")
     bundles = find_bundles(run, [a, b])
-    ranks = {name: rankings(load(bundles[name]), df, tau, profile) for name in (a, b)}
+    ranks = {name: rankings(load(bundles[name]), df, tau, profile)[0] for name in (a, b)}
     n_boot, seed = profile.bootstrap_samples, profile.seed
     row_a = evaluate(df, ranks[a], floor_rankings=ranks[b], n_boot=n_boot, seed=seed)
     row_b = evaluate(df, ranks[b], n_boot=n_boot, seed=seed)

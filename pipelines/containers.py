@@ -127,12 +127,12 @@ def require_images(refs: list[str]) -> dict[str, dict]:
 
 
 @contextlib.contextmanager
-def docker_runner(pipeline_root: Path, dataset: str) -> Iterator[tuple[Any, str]]:
+def docker_runner(pipeline_root: Path, dataset: str, artifact_root: Path) -> Iterator[tuple[Any, str]]:
     """A kfp.local.DockerRunner for the images the compiled pipeline names (components/_image.py), and the
     dataset argument as the steps see it. The steps run as the images' user with no network (nothing can be
-    installed or fetched at run time); the pipeline root (kfp.local mounts it read-write at the same path) is
-    handed to that user, and the dataset (a path, or a name under the data root) is mounted read-only at the
-    same path."""
+    installed or fetched at run time); the pipeline root (kfp.local mounts it read-write at the same path) and
+    the local artifact store (`artifact_root`, mounted read-write at the same path) are handed to that user,
+    and the dataset (a path, or a name under the data root) is mounted read-only at the same path."""
     import docker
     from kfp import local
     from kfp.local import docker_task_handler
@@ -140,7 +140,9 @@ def docker_runner(pipeline_root: Path, dataset: str) -> Iterator[tuple[Any, str]
     from components._image import BASE_IMAGE, TRAIN_IMAGE
     from gr2.data import data_root
 
-    mounts, env = [], {}
+    artifact_root = artifact_root.resolve()
+    artifact_root.mkdir(parents=True, exist_ok=True)
+    mounts, env = [], {"GR2_ARTIFACT_ROOT": str(artifact_root)}
     if Path(dataset).exists():
         dataset = str(Path(dataset).resolve())
         mounts.append(dataset)
@@ -159,12 +161,16 @@ def docker_runner(pipeline_root: Path, dataset: str) -> Iterator[tuple[Any, str]
             raise ContainerError(
                 f"the images run as different or named users {users}: one numeric uid expected"
             )
+        uid = int(users.pop())
         try:
-            os.chown(pipeline_root, int(users.pop()), -1)
+            os.chown(pipeline_root, uid, -1)
+            for path in [artifact_root, *artifact_root.rglob("*")]:
+                os.chown(path, uid, -1)
         except PermissionError as e:
             raise ContainerError(f"cannot hand {pipeline_root} to the images' user (needs root): {e}") from e
         runner = local.DockerRunner(
-            mounts=[docker.types.Mount(target=m, source=m, type="bind", read_only=True) for m in mounts],
+            mounts=[docker.types.Mount(target=m, source=m, type="bind", read_only=True) for m in mounts]
+            + [docker.types.Mount(target=str(artifact_root), source=str(artifact_root), type="bind")],
             environment=env,
             network_mode="none",
         )

@@ -1,6 +1,6 @@
 """The retraining DAG: ingest -> feast apply -> extract -> validate -> materialize | candidates -> validate ->
-model stages (floor/ltr, SFT data, AR teacher + no-trace ablation, conversion + CFT, evaluation, gate, deploy,
-canary analysis).
+model stages (floor/ltr, SFT data, AR teacher + no-trace ablation, conversion + CFT, evaluation, champion
+against challenger and drift, gate, deploy, canary analysis).
 Every step is a component in components/; `make run` executes this same definition locally with kfp.local
 (pipelines/run_local.py) and `make compile` writes it as cluster YAML (pipelines/cli.py).
 
@@ -14,6 +14,7 @@ from kfp import dsl
 
 from components.canary_analysis import canary_analysis
 from components.candidates import candidates
+from components.champion import champion
 from components.convert_cft import convert_cft
 from components.deploy import deploy
 from components.distill_on_policy import distill_on_policy
@@ -48,7 +49,8 @@ def _model_stages(
 ) -> None:
     """Model stages on validated examples (the stage table, docs/PAPER.md): floor/ltr; the AR teacher = SFT
     (`ar_sft`) + RL (`ar`), and its no-trace ablation; conversion (`naive`) + CFT from the final teacher; OPD
-    from that teacher; RL of the student (`rl`, the deployable model); the table with speed; the gate; and
+    from that teacher; RL of the student (`rl`, the deployable model); the table with speed; champion against
+    challenger on tonight's lists, with drift (components/champion.py); the gate; and
     (only if the gate passes) the canary deployment of the RL student, then (only if its canary runs) the
     canary analysis that promotes or rolls back. The four training stages run as TrainJobs of `nodes` x `gpus`
     processes on a cluster."""
@@ -95,8 +97,27 @@ def _model_stages(
             profile=profile,
         )
     )
-    g = cpu_task(  # retried: reads the production record from the artifact store
-        gate(report=ev.outputs["report"], candidate=candidate, data_validation_passed=True, profile=profile),
+    # Champion against challenger: the production model scored on tonight's test lists beside the candidate,
+    # and drift; it reads the production pointer, so it is never a cached result.
+    cham = gpu_task(
+        champion(
+            sources=sources,
+            examples=examples,
+            candidate_model=student.outputs["model"],
+            profile=profile,
+            run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        )
+    )
+    cham.set_caching_options(False)
+    g = cpu_task(  # retried: publishes its decision to the artifact store
+        gate(
+            report=ev.outputs["report"],
+            candidate=candidate,
+            data_validation_passed=True,
+            profile=profile,
+            champion=cham.outputs["comparison"],
+            run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        ),
         retries=1,
     )
     with dsl.If(g.outputs["Output"] == True, name="gate-passed"):  # noqa: E712 (a KFP condition, not a bool)
@@ -168,7 +189,13 @@ def gr2_pipeline(
     done.set_caching_options(False)  # an outcome is a fact about this run, never a cached copy
     with dsl.ExitHandler(done, name="run"):
         ing = cpu_task(
-            ingest(dataset=dataset, profile=profile, snapshot_date=snapshot_date, max_users=max_users)
+            ingest(
+                dataset=dataset,
+                profile=profile,
+                snapshot_date=snapshot_date,
+                max_users=max_users,
+                run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+            )
         )
         # Never a cache hit: a nightly schedule passes the same parameters every night (KFP v2 does not expand
         # [[ScheduledTime]] macros, kubeflow/pipelines#12494), so only re-running ingest reads today's data.
@@ -190,6 +217,7 @@ def gr2_pipeline(
             profile=profile,
             stage="targets",
             bounds_json=bounds_json,
+            run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
         ).set_display_name("validate-targets")
         with dsl.If(vt.outputs["Output"] == True, name="targets-valid"):  # noqa: E712 (a KFP condition, not a bool)
             # Only validated data reaches the online store that the serving transformer reads.
@@ -208,6 +236,7 @@ def gr2_pipeline(
                 profile=profile,
                 stage="examples",
                 bounds_json=bounds_json,
+                run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
             ).set_display_name("validate-examples")
             with dsl.If(ve.outputs["Output"] == True, name="examples-valid"):  # noqa: E712
                 _model_stages(

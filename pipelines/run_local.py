@@ -149,19 +149,33 @@ def run_local(
         "max_users": max_users,
         "bounds_json": bounds_json,
     }
+    # The artifact store of the steps (production pointer, uploads, each step's published result, the outcome):
+    # the configured one (GR2_S3_BUCKET or GR2_ARTIFACT_ROOT), else <runs_dir>/artifacts.
+    own_root = not os.environ.get("GR2_S3_BUCKET") and not os.environ.get("GR2_ARTIFACT_ROOT")
+    if own_root:
+        os.environ["GR2_ARTIFACT_ROOT"] = str(Path(runs_dir).resolve() / "artifacts")
     t0 = time.perf_counter()
-    if runner == "docker":
-        from pipelines.containers import docker_runner
+    try:
+        if runner == "docker":
+            from pipelines.containers import docker_runner
 
-        with docker_runner(root, dataset) as (docker, dataset_in_steps):
-            params["dataset"] = dataset_in_steps
-            local.init(runner=docker, pipeline_root=str(root), raise_on_error=True)
+            if os.environ.get("GR2_S3_BUCKET"):
+                raise ValueError(
+                    "the docker runner's steps have no network: an S3 artifact store is unreachable"
+                )
+            artifact_root = Path(os.environ["GR2_ARTIFACT_ROOT"])
+            with docker_runner(root, dataset, artifact_root) as (docker, dataset_in_steps):
+                params["dataset"] = dataset_in_steps
+                local.init(runner=docker, pipeline_root=str(root), raise_on_error=True)
+                gr2_pipeline(**params)
+        else:
+            local.init(
+                runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True
+            )
             gr2_pipeline(**params)
-    else:
-        local.init(
-            runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True
-        )
-        gr2_pipeline(**params)
+    finally:
+        if own_root:
+            del os.environ["GR2_ARTIFACT_ROOT"]
     seconds = time.perf_counter() - t0
     out: dict = {"run_dir": str(run_dir), "report": None, "validation": [], "seconds": round(seconds, 1)}
     for v in sorted(root.glob("**/validation.json")):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one set-up step for what the Makefile's targets need besides .venv (Python packages come from the lock).
 #
-#   scripts/setup-system.sh test         # make test: the Prometheus server
+#   scripts/setup-system.sh test         # make test: the Prometheus server, headless Chromium (Data Docs)
 #   scripts/setup-system.sh containers   # make images / make test-containers: podman (runc, debootstrap, ...), and
 #                                        # a container started once to prove it works here
 #
@@ -13,7 +13,7 @@
 set -euo pipefail
 
 # group -> "command:apt-package" pairs (the command proves the package is installed)
-need_test=("prometheus:prometheus")
+need_test=("prometheus:prometheus" "chromium:chromium")
 need_containers=("podman:podman" "buildah:buildah" "runc:runc" "debootstrap:debootstrap" "newuidmap:uidmap"
   "slirp4netns:slirp4netns" "fuse-overlayfs:fuse-overlayfs")
 

@@ -23,3 +23,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Slow (end-to-end) tests first, in their order: under pytest-xdist (`make test` runs `-n auto`) they start at
     once, beside the fast tests, instead of last on a single worker."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on loopback, one per test session (tests/s3.py)."""
+    from tests.s3 import moto_server
+
+    with moto_server() as url:
+        yield url

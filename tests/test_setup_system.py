@@ -34,18 +34,18 @@ def run(tmp_path: Path, tools: list[str], *groups: str) -> subprocess.CompletedP
 
 
 def test_everything_present_returns_at_once(tmp_path):
-    r = run(tmp_path, ["prometheus"], "test")
+    r = run(tmp_path, ["prometheus", "chromium"], "test")
     assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
 
 
 def test_a_missing_tool_that_cannot_be_installed_stops_with_the_command(tmp_path):
     r = run(tmp_path, [], "test")
     assert r.returncode == 1
-    assert "missing prometheus" in r.stderr
-    assert "sudo apt-get install -y --no-install-recommends prometheus" in r.stderr
+    assert "missing prometheus chromium" in r.stderr
+    assert "sudo apt-get install -y --no-install-recommends prometheus chromium" in r.stderr
 
 
 @pytest.mark.parametrize("groups", [(), ("nonsense",)])
 def test_a_wrong_call_is_refused(tmp_path, groups):
-    r = run(tmp_path, ["prometheus"], *groups)
+    r = run(tmp_path, ["prometheus", "chromium"], *groups)
     assert r.returncode == 2 and ("usage" in r.stderr or "unknown group 'nonsense'" in r.stderr)

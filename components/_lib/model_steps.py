@@ -138,10 +138,7 @@ def evaluate_models(
 
     t0 = time.perf_counter()
     prof = as_profile(profile)
-    ex = sources.read_table(examples_path)
-    test = ex[ex["split"] == "test"].reset_index(drop=True)
-    if prof.data.max_eval_examples:
-        test = test.head(prof.data.max_eval_examples)
+    test = sources.read_test_lists(examples_path, prof.data.max_eval_examples)
     report = json.loads((Path(floor_report_dir) / "report.json").read_text())
     paths = {name: bundle_dir(p) for name, p in bundles.items() if p}
     ev = evaluate_generative(paths, test, prof)

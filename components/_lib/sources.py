@@ -5,7 +5,8 @@ A sources folder holds
   items.parquet         the catalog (item_id, title, categories)
   user_history.parquet  Feast source: one row per interaction, history = last H items up to and including it
   item_features.parquet Feast source: one snapshot row per item, title/categories + evidence item tables
-  meta.json             dataset name, H, snapshot, row counts, the dataset profile (gr2.data.profile)
+  meta.json             dataset name, H, snapshot, row counts, the dataset profile (gr2.data.profile); for an
+                        event log, its URI (`source`) and the objects read with their ETags (`objects`)
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ def write_sources(
     item_tables: pd.DataFrame | None = None,
     snapshot_date: str = "",
     eval_positions: int = 1,
+    read: dict | None = None,
 ) -> dict:
-    """Write the sources folder (see module docstring); returns meta.json's content."""
+    """Write the sources folder (see module docstring); returns meta.json's content. `read` (the event log's
+    URI and the objects read, with their ETags) goes into meta.json as is."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     inter = dataset.interactions.reset_index(drop=True)
@@ -118,6 +121,8 @@ def write_sources(
             "features": ev.get("features"),
             "dropped_features": ev.get("dropped_features", {}),
         }
+    if read is not None:
+        meta.update(read)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
 
@@ -146,3 +151,10 @@ def read_table(path: str | Path) -> pd.DataFrame:
     if "retriever_scores" in df:
         df["retriever_scores"] = [[float(x) for x in v] for v in df["retriever_scores"]]
     return df
+
+
+def read_test_lists(examples_path: str | Path, max_lists: int = 0) -> pd.DataFrame:
+    """The test lists every model is scored on: the examples' test split, its first `max_lists` (0 = all)."""
+    ex = read_table(examples_path)
+    test = ex[ex["split"] == "test"].reset_index(drop=True)
+    return test.head(max_lists) if max_lists else test

@@ -20,6 +20,8 @@ from components._lib.paths import REPO_ROOT
 from gr2.config import Profile, load_profile
 from gr2.data.dataset import Dataset, load_dataset, resolve_dataset
 
+DATA_DOCS = "data_docs.html"  # a validation step's Great Expectations Data Docs page
+
 
 def as_profile(profile: str | Profile) -> Profile:
     """A profile object from a name or path (steps take either)."""
@@ -53,14 +55,29 @@ def ingest(
     max_users: int = 0,
     cache_dir: str | Path = REPO_ROOT / ".cache",
 ) -> dict[str, Any]:
-    """Load a dataset (name or path), compute event times and write the sources folder."""
+    """Load a dataset (name, path, or an event log s3://... read as of `snapshot_date`), compute event times
+    and write the sources folder. For an event log, meta.json's `objects` lists every object read, with its
+    ETag (components/event_log.py), so the night can be replayed."""
     t0 = time.perf_counter()
     prof = as_profile(profile)
     # An unset snapshot date is the run's own UTC date: every night's data is stamped with its real date.
     snapshot_date = snapshot_date or time.strftime("%Y-%m-%d", time.gmtime())
-    ds = _slice_users(load_dataset(resolve_dataset(dataset, cache_dir)), max_users)
+    objects = None
+    if dataset.startswith("s3://"):
+        from components.event_log import read_event_log
+
+        ds, objects = read_event_log(dataset, snapshot_date)
+    else:
+        ds = load_dataset(resolve_dataset(dataset, cache_dir))
+    ds = _slice_users(ds, max_users)
     meta = sources.write_sources(
-        ds, out_dir, prof.data.history_len, item_tables(ds, prof), snapshot_date, prof.data.eval_positions
+        ds,
+        out_dir,
+        prof.data.history_len,
+        item_tables(ds, prof),
+        snapshot_date,
+        prof.data.eval_positions,
+        {"source": dataset, "objects": objects} if objects is not None else None,
     )
     meta["seconds"] = round(time.perf_counter() - t0, 2)
     return meta
@@ -124,7 +141,8 @@ def validate(
 ):
     """GX suites over interactions, items and a targets table (stage="targets") or examples ("examples").
 
-    Writes validation.json and validation.md into `out_dir`; returns the ValidationReport.
+    Writes validation.json, validation.md and Great Expectations' Data Docs (data_docs.html) into `out_dir`;
+    returns the ValidationReport.
     """
     from components._lib.validation import Bounds, validate_tables
 
@@ -139,7 +157,7 @@ def validate(
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report.write(out / "validation.json", out / "validation.md")
+    report.write(out / "validation.json", out / "validation.md", out / DATA_DOCS)
     return report
 
 
@@ -286,5 +304,5 @@ def validate_dataset(
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report.write(out / "validation.json", out / "validation.md")
+    report.write(out / "validation.json", out / "validation.md", out / DATA_DOCS)
     return report

@@ -45,6 +45,8 @@ class SuiteResult:
 class ValidationReport:
     passed: bool
     suites: list[SuiteResult]
+    # GX's own validation results, one per suite: what Data Docs render (`data_docs_html`); not serialized
+    gx_results: list[Any] = field(default_factory=list, repr=False)
 
     @property
     def message(self) -> str:
@@ -61,9 +63,8 @@ class ValidationReport:
         return {"passed": self.passed, "message": self.message, "suites": [asdict(s) for s in self.suites]}
 
     def to_markdown(self) -> str:
-        head = "PASSED" if self.passed else "FAILED"
         out = [
-            f"# Data validation: {head}",
+            f"# Data validation: {'PASSED' if self.passed else 'FAILED'}",
             "",
             "| suite | rows | expectations | failed |",
             "|---|---|---|---|",
@@ -75,11 +76,51 @@ class ValidationReport:
             out += [f"- {line}" for line in self.message.splitlines()]
         return "\n".join(out) + "\n"
 
-    def write(self, json_path: str | Path | None = None, md_path: str | Path | None = None) -> None:
+    def write(
+        self,
+        json_path: str | Path | None = None,
+        md_path: str | Path | None = None,
+        html_path: str | Path | None = None,
+    ) -> None:
         if json_path:
             Path(json_path).write_text(json.dumps(self.to_dict(), indent=2, default=str))
         if md_path:
             Path(md_path).write_text(self.to_markdown())
+        if html_path:
+            Path(html_path).write_text(data_docs_html(self.gx_results, f"Data validation: {self.head}"))
+
+    @property
+    def head(self) -> str:
+        return f"{'PASSED' if self.passed else 'FAILED'} ({', '.join(s.suite for s in self.suites)})"
+
+
+# Data Docs' status icons are Font Awesome glyphs loaded from a CDN. Where it cannot be reached (an air-gapped
+# cluster, a sandboxed viewer) the icon is empty, so each one also says its status in words.
+_OFFLINE_STATUS = """<style>
+i.fas.fa-times.text-danger::after { content: " failed"; color: #c00; font: bold 1rem sans-serif; }
+i.fas.fa-check-circle.text-success::after { content: " passed"; color: #080; font: 1rem sans-serif; }
+</style>
+"""
+
+
+def data_docs_html(results: list[Any], title: str) -> str:
+    """Great Expectations' Data Docs page (its ValidationResultsPageRenderer and Jinja view, the page a Data
+    Docs site shows) for several suites' results as one self-contained HTML page: each suite's overview, then
+    its expectations by column with their observed values and unexpected examples."""
+    from great_expectations.render.renderer import ValidationResultsPageRenderer
+    from great_expectations.render.view import DefaultJinjaPageView
+
+    docs = [ValidationResultsPageRenderer().render(r) for r in results]
+    for doc, res in zip(docs, results, strict=True):
+        for section in doc.sections:  # the table of contents lists every suite's sections
+            name = section.section_name
+            section.section_name = (
+                f"Suite {res.suite_name}" if name == "Overview" else f"{res.suite_name}.{name}"
+            )
+    page = docs[0]
+    page.sections = [section for doc in docs for section in doc.sections]
+    page.page_title = title
+    return DefaultJinjaPageView().render(page).replace("</head>", _OFFLINE_STATUS + "</head>", 1)
 
 
 # ---------------------------------------------------------------------------------------------- derived columns
@@ -250,7 +291,7 @@ def _suites(bounds: Bounds, n_candidates: int | None) -> dict[str, list]:
     return {"interactions": interactions, "items": items, "examples": examples}
 
 
-def _run_suite(ctx, name: str, expectations: list, df: pd.DataFrame) -> SuiteResult:
+def _run_suite(ctx, name: str, expectations: list, df: pd.DataFrame) -> tuple[SuiteResult, Any]:
     import great_expectations as gx
 
     bd = (
@@ -294,7 +335,7 @@ def _run_suite(ctx, name: str, expectations: list, df: pd.DataFrame) -> SuiteRes
                 "kwargs": kw,
             }
         )
-    return SuiteResult(name, bool(res.success), len(df), len(res.results), failures)
+    return SuiteResult(name, bool(res.success), len(df), len(res.results), failures), res
 
 
 def validate_tables(
@@ -329,4 +370,6 @@ def validate_tables(
         name = "examples" if n_candidates is not None else "targets"
         frame = example_frame(examples, interactions, catalog, n_candidates, eval_positions)
         results.append(_run_suite(ctx, name, suites["examples"], frame))
-    return ValidationReport(all(r.success for r in results), results)
+    return ValidationReport(
+        all(r.success for r, _ in results), [r for r, _ in results], [g for _, g in results]
+    )

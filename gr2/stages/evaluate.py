@@ -28,8 +28,8 @@ import torch
 from gr2.candidates import cut_lists
 from gr2.config import EvalConfig, Profile
 from gr2.generative import Answer, GenerativeReranker
-from gr2.inference import RankRequest, load_reranker
-from gr2.metrics import evaluate
+from gr2.inference import RankRequest, Reranker, load_reranker
+from gr2.metrics import apply_fallback, evaluate
 from gr2.prompt import parse_trace
 from gr2.stages.prepare import SFTData, list_features
 
@@ -62,6 +62,40 @@ def decode_answers(
     out = model.decode(prompts, decoder, tau or 1.0, profile.eval.batch_size)
     answers = [model.read_answer(r, len(c)) for r, c in zip(out.responses, candidates, strict=True)]
     return answers, out.responses
+
+
+def rankings(
+    model: Reranker, examples: pd.DataFrame, tau: float | None, profile: Profile
+) -> tuple[list[list[int]], int]:
+    """Greedy rankings of `examples` as the report scores them: a generative model decodes at `tau` (its AR
+    decoder when it has no blocks), any other reranker answers through `rank` (the serving API); an invalid
+    output becomes the upstream order. A list with a candidate the model does not know gets the upstream order
+    too (serving refuses such a request: a model trained on an older catalog). Returns the rankings and how many
+    lists had an unknown candidate."""
+    cands = examples["candidates"].tolist()
+    known = [all(model.known_item(c) for c in cs) for cs in cands]
+    n = profile.data.n_candidates
+    out = [list(range(len(cs))) for cs in cands]
+    idx = [i for i, k in enumerate(known) if k]
+    sub = examples.iloc[idx].reset_index(drop=True)
+    if idx and isinstance(model, GenerativeReranker):
+        decoder = "ar" if model.block_size == 0 else "diffusion"
+        answers, _ = decode_answers(model, sub, decoder, tau if decoder == "diffusion" else None, profile)
+        ranked = apply_fallback([a.ranking for a in answers], [a.valid for a in answers], n)
+    elif idx:
+        requests = [
+            RankRequest(str(u), list(c), list(h))
+            for u, c, h in zip(sub["user_id"], sub["candidates"], sub["history"], strict=True)
+        ]
+        results = model.rank(requests, "diffusion", tau or 1.0)
+        ranked = apply_fallback(
+            [[r.candidates.index(x) for x in res.ranking] for r, res in zip(requests, results, strict=True)],
+            [res.valid for res in results],
+            n,
+        )
+    for i, r in zip(idx, ranked if idx else [], strict=True):
+        out[i] = r
+    return out, len(cands) - len(idx)
 
 
 def decode_rows(

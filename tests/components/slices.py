@@ -27,3 +27,16 @@ def ingest_slice(out: Path, history_len_profile: str = "quick") -> Path:
 
     steps.ingest(str(require_slice()), out, history_len_profile, "2026-01-01", SLICE_USERS)
     return out
+
+
+def examples_slice(root: Path, profile: str = "quick") -> tuple[Path, Path]:
+    """The slice's sources folder and its re-ranking examples (leave-one-out targets through the retriever):
+    (sources dir, examples parquet)."""
+    from components._lib import sources, steps
+    from gr2.data.split import build_targets
+
+    src = ingest_slice(root / "sources")
+    targets = build_targets(sources.read_dataset(src, event_ts=False), 20)
+    targets.to_parquet(root / "targets.parquet", index=False)
+    steps.candidates(src, root / "targets.parquet", root / "examples.parquet", profile)
+    return src, root / "examples.parquet"

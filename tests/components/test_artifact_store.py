@@ -4,10 +4,7 @@ import hashlib
 import json
 import threading
 
-import boto3
 import pytest
-from botocore.config import Config
-from moto.server import ThreadedMotoServer
 
 from components.artifact_store import (
     ArtifactError,
@@ -17,31 +14,15 @@ from components.artifact_store import (
     S3Backend,
     open_store,
 )
+from tests.s3 import use_bucket
 
 BUCKET = "gr2-test"
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    yield url
-    server.stop()
-
-
 @pytest.fixture
 def s3_store(s3_endpoint, monkeypatch, request):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    client = boto3.client("s3", endpoint_url=s3_endpoint, config=Config(s3={"addressing_style": "path"}))
     bucket = f"{BUCKET}-{request.node.name.split('[')[0].replace('_', '-')[:40]}".lower()
-    client.create_bucket(Bucket=bucket)
-    monkeypatch.setenv("GR2_S3_BUCKET", bucket)
-    monkeypatch.setenv("GR2_S3_PREFIX", "reranker")
-    monkeypatch.setenv("S3_ENDPOINT_URL", s3_endpoint)
+    client = use_bucket(monkeypatch, s3_endpoint, bucket)
     store = open_store()  # configured from env, as components and the predictor do
     assert isinstance(store.backend, S3Backend) and store.backend.bucket == bucket
     return store, client, bucket

@@ -49,7 +49,8 @@ def test_run_gate_writes_decision_into_report(tmp_path, local_store):
     assert gated["gate"]["passed"] is True and len(gated["gate"]["reasons"]) == 7
     assert "PASSED" in (tmp_path / "out" / "gate.md").read_text()
 
-    # once a better model is in production, the same candidate fails the production rule only
+    # once a model is in production, the candidate must be compared with it on the same lists: without that
+    # comparison the production rule fails (never skipped), and with it the paired CI decides
     local_store.upload("r0", "model", report={"x": 1})
     local_store.promote("r0", "model", {"model": "diffusion", "recall@1": 0.45})
     res = run_gate(
@@ -57,6 +58,12 @@ def test_run_gate_writes_decision_into_report(tmp_path, local_store):
     )
     assert not res["passed"]
     assert [k for k, v in res["checks"].items() if v is False] == ["production"]
+    paired = {"n_lists": 300, "candidate": 0.405, "production": 0.41, "delta": -0.005, "ci95": [-0.03, 0.02]}
+    res = run_gate(
+        tmp_path / "rep", tmp_path / "out3", "diffusion", True, "quick", production_record(), paired
+    )
+    assert res["passed"] and res["paired"] == paired
+    assert json.loads((tmp_path / "out3" / "decision.json").read_text())["checks"]["production"] is True
     assert production_record('{"model": "x", "recall@1": 0.1}')["recall@1"] == 0.1
     assert production_record("null") is None
 

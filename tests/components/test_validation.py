@@ -7,10 +7,9 @@ import json
 import pandas as pd
 import pytest
 
-from components._lib import sources, steps
+from components._lib import sources
 from components._lib.validation import Bounds, validate_tables
-from gr2.data.split import build_targets
-from tests.components.slices import SLICE_BOUNDS, ingest_slice
+from tests.components.slices import SLICE_BOUNDS, examples_slice
 
 N = 10
 
@@ -22,13 +21,10 @@ def slice_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tables(slice_root):
-    root = slice_root
-    src = ingest_slice(root / "sources")
-    ds = sources.read_dataset(src)
-    targets = build_targets(sources.read_dataset(src, event_ts=False), 20)
-    targets.to_parquet(root / "targets.parquet", index=False)
-    steps.candidates(src, root / "targets.parquet", root / "examples.parquet", "quick")
-    return ds, targets, sources.read_table(root / "examples.parquet")
+    src, examples = examples_slice(slice_root)
+    targets = pd.read_parquet(slice_root / "targets.parquet")
+    targets["history"] = [list(h) for h in targets["history"]]
+    return sources.read_dataset(src), targets, sources.read_table(examples)
 
 
 def _run(ds, table, n=N, interactions=None):
@@ -145,6 +141,37 @@ def test_report_artifacts(tables, tmp_path):
     assert "# Data validation: FAILED" in (tmp_path / "v.md").read_text()
 
 
+def test_data_docs_render_in_chromium(tables, tmp_path):
+    """Great Expectations' Data Docs of a failing examples table, as headless Chromium renders the page: every
+    suite with each expectation and its result, the failing one marked failed (in red) with the bad row."""
+    import html
+    import re
+
+    import numpy as np
+    from PIL import Image
+
+    from components._lib.validation import _suites
+    from pipelines.browser import render
+
+    ds, _, ex = tables
+    bad = _copy(ex)
+    bad.at[0, "label"] = (bad.at[0, "label"] + 1) % N
+    rep = _run(ds, bad)
+    rep.write(html_path=tmp_path / "docs.html")
+    dom = render(tmp_path / "docs.html", tmp_path / "docs.png", size=(1280, 9000))
+    text = re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", dom)))  # what the page says
+    for suite, expectations in _suites(Bounds(**SLICE_BOUNDS), N).items():
+        assert f"Expectation Suite: {suite} " in text and f"Suite {suite} " in text  # overview, contents
+        for e in expectations:
+            assert e.description in text, e.description
+    assert text.count("Status: Succeeded") == 2 and text.count("Status: Failed") == 1  # the examples suite
+    # one failing expectation (its row's icon, besides the suite's), with the bad row among its unexpected values
+    assert dom.count('class="fas fa-times text-danger"') == 2 and bad.at[0, "example_id"] in text
+    pixels = np.asarray(Image.open(tmp_path / "docs.png").convert("RGB")).astype(int)
+    red = (pixels[..., 0] > 150) & (pixels[..., 1] < 60) & (pixels[..., 2] < 60)
+    assert red.sum() > 50  # the page shows it: the failed status, drawn in red
+
+
 def test_validate_component_returns_passed_and_writes_artifacts(tables, slice_root, tmp_path):
     """The KFP component body (python_func) with local artifacts: False on a corrupted examples table."""
     from kfp import dsl
@@ -169,6 +196,7 @@ def test_validate_component_returns_passed_and_writes_artifacts(tables, slice_ro
         table=dsl.Dataset(name="t", uri=str(slice_root / "examples.parquet")),
         results=art(dsl.Artifact, "r1"),
         summary=art(dsl.Markdown, "s1"),
+        data_docs=art(dsl.HTML, "d1"),
         metrics=art(dsl.Metrics, "m1"),
         **kwargs,
     )
@@ -177,9 +205,12 @@ def test_validate_component_returns_passed_and_writes_artifacts(tables, slice_ro
         table=dsl.Dataset(name="t", uri=str(tmp_path / "bad.parquet")),
         results=art(dsl.Artifact, "r2"),
         summary=art(dsl.Markdown, "s2"),
+        data_docs=art(dsl.HTML, "d2"),
         metrics=art(dsl.Metrics, "m2"),
         **kwargs,
     )
     assert ok is False
     assert "label_not_target" in (tmp_path / "s2").read_text()
+    failed = 'class="fas fa-times text-danger"'  # Data Docs' failed-status icon
+    assert failed in (tmp_path / "d2").read_text() and failed not in (tmp_path / "d1").read_text()
     assert json.loads((tmp_path / "r2" / "validation.json").read_text())["passed"] is False

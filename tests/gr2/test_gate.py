@@ -1,9 +1,10 @@
 """The gate: one test per rule, each showing the rule can flip the decision on its own."""
 
+import pandas as pd
 import pytest
 
 from gr2.config import GateConfig
-from gr2.gate import decide
+from gr2.gate import decide, paired_comparison
 
 CFG = GateConfig(min_validity=0.99, max_gap_to_ar=0.01, min_speedup=2.4, require_beats_floor=True)
 
@@ -27,7 +28,8 @@ def rows(**cand_overrides):
 
 
 def test_all_rules_pass_with_one_reason_each():
-    d = decide(rows(), "diffusion", True, {"model": "old", "recall@1": 0.39, "run_id": "r0"}, CFG)
+    paired = {"n_lists": 500, "candidate": 0.40, "production": 0.39, "delta": 0.01, "ci95": [-0.01, 0.03]}
+    d = decide(rows(), "diffusion", True, {"model": "old", "recall@1": 0.39, "run_id": "r0"}, CFG, paired)
     assert d.passed
     assert set(d.checks) == {"data", "floor", "ar_gap", "ltr", "validity", "speedup", "production"}
     assert len(d.reasons) == 7 and all(r.startswith("PASS") for r in d.reasons)
@@ -119,11 +121,59 @@ def test_speedup_reads_the_lower_bound_of_its_interval():
     assert d.passed and d.checks["speedup"] is True
 
 
-@pytest.mark.parametrize("prod,ok", [(0.404, True), (0.406, False), (None, None)])
-def test_not_worse_than_production(prod, ok):
-    record = None if prod is None else {"model": "diffusion", "recall@1": prod}
-    d = decide(rows(), "diffusion", True, record, CFG)  # candidate 0.40, tolerance 0.005
-    assert d.checks["production"] is ok and d.passed is (ok is not False)
+def tonight(cand_hits: list[int], prod_hits: list[int]) -> tuple[pd.DataFrame, list, list]:
+    """Test lists of 3 candidates, the label first; a model's hit puts it on top, a miss puts it last."""
+    examples = pd.DataFrame({"candidates": [["a", "b", "c"]] * len(cand_hits), "label": 0, "user_id": "u"})
+
+    def ranks(hits):
+        return [[0, 1, 2] if h else [1, 2, 0] for h in hits]
+
+    return examples, ranks(cand_hits), ranks(prod_hits)
+
+
+def test_production_rule_pairs_tonights_lists_not_the_stored_figure():
+    """The stored production figure (another night's lists) would pass a worse candidate and fail a better one;
+    the paired rule on tonight's lists decides the other way both times."""
+    # Tonight production gets 60 of 100 lists right and the candidate only 40 of the same (it loses 20, wins none).
+    examples, cand, prod = tonight([1] * 40 + [0] * 60, [1] * 60 + [0] * 40)
+    paired = paired_comparison(examples, cand, prod, n_boot=500, seed=0)
+    assert (paired["candidate"], paired["production"], paired["n_lists"]) == (0.40, 0.60, 100)
+    assert paired["delta"] == pytest.approx(-0.20) and paired["ci95"][1] < -0.1
+    lucky_old = {"model": "rl", "recall@1": 0.39, "run_id": "r0"}  # measured on an easier night
+    d = decide(rows(), "diffusion", True, lucky_old, CFG, paired)
+    assert not d.passed and [k for k, v in d.checks.items() if v is False] == ["production"]
+    reason = d.reasons[-1]
+    assert reason.startswith("FAIL production: recall@1 on tonight's 100 test lists: candidate 0.4000 vs ")
+    assert "production rl (run r0) 0.6000, delta -0.2000" in reason and "wholly below -0.005" in reason
+    assert "stored figure 0.3900" in reason
+
+    # The reverse: tonight's lists are hard for both; the candidate wins 3 lists and loses 1 against production.
+    examples, cand, prod = tonight([1] * 42 + [0] * 58, [1] * 39 + [0] + [1] + [0] * 59)
+    paired = paired_comparison(examples, cand, prod, n_boot=500, seed=0)
+    assert paired["delta"] == pytest.approx(0.02) and paired["ci95"][0] <= 0.02 <= paired["ci95"][1]
+    unlucky_old = {"model": "rl", "recall@1": 0.46}  # the old rule: 0.40 < 0.46 - 0.005 fails
+    d = decide(rows(), "diffusion", True, unlucky_old, CFG, paired)
+    assert d.passed and d.checks["production"] is True and "not wholly below" in d.reasons[-1]
+
+
+@pytest.mark.parametrize("hi,ok", [(-0.004, True), (-0.006, False)])
+def test_production_rule_fails_only_when_the_whole_interval_is_below_the_tolerance(hi, ok):
+    paired = {"n_lists": 500, "candidate": 0.38, "production": 0.40, "delta": -0.02, "ci95": [-0.04, hi]}
+    d = decide(rows(), "diffusion", True, {"model": "rl"}, CFG, paired)  # tolerance 0.005
+    assert d.checks["production"] is ok and d.passed is ok
+
+
+def test_production_that_cannot_be_scored_fails_clearly():
+    d = decide(rows(), "diffusion", True, None, CFG)
+    assert d.passed and d.checks["production"] is None and "no model in production" in d.reasons[-1]
+    missing = "s3://b/reranker/production.json: attempt r0/rl/a1 is missing"
+    for paired, why in [
+        (None, "no paired comparison on tonight's lists was made"),
+        ({"error": missing}, missing),
+    ]:
+        d = decide(rows(), "diffusion", True, {"model": "rl", "run_id": "r0", "recall@1": 0.3}, CFG, paired)
+        assert not d.passed and d.checks["production"] is False
+        assert f"production rl (run r0) could not be scored on tonight's lists: {why}" in d.reasons[-1]
 
 
 def test_missing_candidate_row_fails():

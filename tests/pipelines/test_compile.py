@@ -27,7 +27,7 @@ TRAIN_STEPS = [
     "distill-on-policy",
     "rl-diffusion",
 ]
-GPU_STEPS = ["evaluate-models"]
+GPU_STEPS = ["evaluate-models", "champion"]  # champion: decodes tonight's test lists with two models
 
 
 @pytest.fixture(scope="module")

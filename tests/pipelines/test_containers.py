@@ -24,5 +24,5 @@ def test_docker_runner_wants_a_dataset_it_can_mount(tmp_path):
     from pipelines.containers import docker_runner
 
     with pytest.raises(ContainerError, match=r"dataset 'ml-100k': the docker runner takes a folder"):
-        with docker_runner(tmp_path, "ml-100k"):
+        with docker_runner(tmp_path, "ml-100k", tmp_path / "artifacts"):
             pass

@@ -334,7 +334,7 @@ def test_promote_writes_the_pointer_from_the_uploaded_record(tmp_path):
 
 def test_record_outcome_writes_the_artifact_and_the_store(tmp_path, monkeypatch, capsys):
     from kfp import dsl
-    from kfp.dsl import Artifact
+    from kfp.dsl import Artifact, Markdown
 
     from components.artifact_store import open_store
     from components.record_outcome import record_outcome
@@ -342,9 +342,15 @@ def test_record_outcome_writes_the_artifact_and_the_store(tmp_path, monkeypatch,
     monkeypatch.delenv("GR2_S3_BUCKET", raising=False)
     status = dsl.PipelineTaskFinalStatus("FAILED", "job-1", "exit-handler-1", 1, "Task ingest failed.")
     art = Artifact(name="outcome", uri=str(tmp_path / "outcome"))
+    md = Markdown(name="summary", uri=str(tmp_path / "outcome.md"))
     kw = {"run_id": "run-9", "pipeline": PIPELINE_NAME, "dataset": "ml-100k", "profile": "quick"}
     record_outcome.python_func(
-        status=status, outcome=art, snapshot_date="2026-11-29", store_local_root=str(tmp_path / "s"), **kw
+        status=status,
+        outcome=art,
+        summary=md,
+        snapshot_date="2026-11-29",
+        store_local_root=str(tmp_path / "s"),
+        **kw,
     )
     rec = json.loads((tmp_path / "outcome" / "outcome.json").read_text())
     assert (rec["status"], rec["error_message"], rec["snapshot_date"]) == (
@@ -353,13 +359,20 @@ def test_record_outcome_writes_the_artifact_and_the_store(tmp_path, monkeypatch,
         "2026-11-29",
     )
     assert rec["run_id"] == "run-9" and art.metadata["status"] == "FAILED"
+    assert (
+        rec["result"] == "failed" and art.metadata["result"] == "failed"
+    )  # what the steps published: nothing
     assert open_store(local_root=tmp_path / "s", prefix="reranker").report("run-9", "outcome") == rec
     assert "gr2 run outcome:" in capsys.readouterr().out
+    assert (tmp_path / "outcome.md").read_text().startswith("# Run run-9: failed")
     # No store configured: the artifact and the log line only (local runs do not litter runs/artifacts).
+    monkeypatch.delenv("GR2_ARTIFACT_ROOT", raising=False)
     monkeypatch.chdir(tmp_path)  # where the default local store (runs/artifacts) would land
     art2 = Artifact(name="outcome", uri=str(tmp_path / "o2"))
-    record_outcome.python_func(status=status, outcome=art2, snapshot_date="", **kw)
+    md2 = Markdown(name="summary", uri=str(tmp_path / "o2.md"))
+    record_outcome.python_func(status=status, outcome=art2, summary=md2, snapshot_date="", **kw)
     assert (tmp_path / "o2" / "outcome.json").exists() and not (tmp_path / "runs").exists()
+    assert "no artifact store configured" in (tmp_path / "o2.md").read_text()
 
 
 def test_cli_exposes_every_step():
@@ -380,6 +393,7 @@ def test_cli_exposes_every_step():
         "convert-cft",
         "distill",
         "evaluate-models",
+        "champion",
         "gate",
         "deploy",
         "canary-analysis",

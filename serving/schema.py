@@ -115,6 +115,18 @@ def shown(value: Any, limit: int = 40) -> str:
     return cut(repr(value), limit)
 
 
+def json_type(value: Any) -> str:
+    """The JSON type of a parsed value, as a client wrote it: errors name it rather than a Python type, which
+    differs between parsers (kserve's orjson reads an integer beyond 64 bits as a float, the guard's json does
+    not)."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float | LongInteger):
+        return "number"
+    names = {str: "string", list: "array", dict: "object", type(None): "null"}
+    return next((name for t, name in names.items() if isinstance(value, t)), type(value).__name__)
+
+
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _BRACKET = re.compile(r"[\[\]{}]")
 
@@ -215,12 +227,12 @@ def check_instance(
 ) -> tuple[str, list[str], list[str] | None, Options]:
     """The model-independent checks of one instance: (user_id, candidates, history or None, options)."""
     if not isinstance(raw, dict):
-        raise BadRequest(f"{where}: expected an object with user_id and candidates, got {type(raw).__name__}")
+        raise BadRequest(f"{where}: expected an object with user_id and candidates, got {json_type(raw)}")
     check_keys(raw, INSTANCE_KEYS, where)
     user_id = check_id(raw.get("user_id"), f"{where}.user_id", cfg)
     cands = raw.get("candidates")
     if not isinstance(cands, list):
-        raise BadRequest(f"{where}.candidates: must be a list of item id strings, got {type(cands).__name__}")
+        raise BadRequest(f"{where}.candidates: must be a list of item id strings, got {json_type(cands)}")
     if len(cands) < cfg.min_candidates:
         raise BadRequest(f"{where}.candidates: too few candidates ({len(cands)} < {cfg.min_candidates})")
     if len(cands) > cfg.max_candidates:
@@ -237,7 +249,7 @@ def check_instance(
     if history is not None:
         if not isinstance(history, list):
             raise BadRequest(
-                f"{where}.history: must be a list of item id strings, got {type(history).__name__}"
+                f"{where}.history: must be a list of item id strings, got {json_type(history)}"
             )
         if len(history) > cfg.max_history:
             raise BadRequest(f"{where}.history: too long ({len(history)} > {cfg.max_history})")
@@ -275,7 +287,7 @@ def parse_instance(
 
 def parse_instances_list(instances: Any, where: str, cfg: ServeConfig) -> list[Any]:
     if not isinstance(instances, list):
-        raise BadRequest(f"{where}: must be a list of instance objects, got {type(instances).__name__}")
+        raise BadRequest(f"{where}: must be a list of instance objects, got {json_type(instances)}")
     if not instances:
         raise BadRequest(f"{where}: empty; send at least one instance")
     if len(instances) > cfg.max_instances:
@@ -288,7 +300,7 @@ def parse_parameters(params: Any, cfg: ServeConfig) -> Options:
     if params is None:
         params = {}
     if not isinstance(params, dict):
-        raise BadRequest(f"parameters: must be an object, got {type(params).__name__}")
+        raise BadRequest(f"parameters: must be an object, got {json_type(params)}")
     check_keys(params, OPTION_KEYS, "parameters")
     return parse_options(params, "parameters", cfg)
 
@@ -296,7 +308,7 @@ def parse_parameters(params: Any, cfg: ServeConfig) -> Options:
 def v1_body(payload: Any, cfg: ServeConfig) -> tuple[list[Any], Any]:
     """(instances, parameters) of a v1 body: {"instances": [...], "parameters"?: {...}}."""
     if not isinstance(payload, dict):
-        raise BadRequest(f"body: expected a JSON object with 'instances', got {type(payload).__name__}")
+        raise BadRequest(f"body: expected a JSON object with 'instances', got {json_type(payload)}")
     if "instances" not in payload:
         raise BadRequest('instances: missing (body must be {"instances": [...]})')
     check_keys(payload, V1_KEYS, "")
@@ -306,7 +318,7 @@ def v1_body(payload: Any, cfg: ServeConfig) -> tuple[list[Any], Any]:
 def v2_body(payload: Any, cfg: ServeConfig) -> tuple[list[Any], Any]:
     """(instances, parameters) of a v2 body: one BYTES input whose elements are JSON instance objects."""
     if not isinstance(payload, dict):
-        raise BadRequest(f"body: expected a JSON object with 'inputs', got {type(payload).__name__}")
+        raise BadRequest(f"body: expected a JSON object with 'inputs', got {json_type(payload)}")
     if "inputs" not in payload:
         raise BadRequest('inputs: missing (body must be {"inputs": [one BYTES input of JSON instances]})')
     check_keys(payload, V2_KEYS, "")
@@ -314,12 +326,12 @@ def v2_body(payload: Any, cfg: ServeConfig) -> tuple[list[Any], Any]:
         check_id(payload["id"], "id", cfg)
     inputs = payload["inputs"]
     if not isinstance(inputs, list) or len(inputs) != 1:
-        got = len(inputs) if isinstance(inputs, list) else type(inputs).__name__
+        got = len(inputs) if isinstance(inputs, list) else json_type(inputs)
         raise BadRequest(f"inputs: expected exactly one BYTES input holding JSON instances, got {got}")
     inp = inputs[0]
     if not isinstance(inp, dict):
         raise BadRequest(
-            f"inputs[0]: must be an object with name, shape, datatype and data, got {type(inp).__name__}"
+            f"inputs[0]: must be an object with name, shape, datatype and data, got {json_type(inp)}"
         )
     check_keys(inp, V2_INPUT_KEYS, "inputs[0]")
     check_id(inp.get("name"), "inputs[0].name", cfg)

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from serving.modelserver import RequestGuardMiddleware
@@ -179,6 +179,10 @@ async def through_the_guard(
 
 @FUZZ
 @given(broken_requests())
+@example((False, b'{"instances": -9223372036854775809}', "instances"))  # orjson: a float, json: an int
+@example(
+    (False, b'{"instances": [{"user_id": "u", "candidates": ["a", "b"], "tau": 1e400}]}', "instances[0].tau")
+)
 def test_every_broken_request_gets_a_4xx_naming_the_field(case):
     v2, body, expected = case
     status, answer, reached = asyncio.run(through_the_guard(v2, body))
@@ -192,7 +196,9 @@ def test_every_broken_request_gets_a_4xx_naming_the_field(case):
         payload = body
     with pytest.raises(BadRequest) as e:
         request_instances(payload, CFG)
-    assert str(e.value) == answer["error"]
+    # The same field, refused for the same reason; the value shown may differ (orjson reads an integer beyond
+    # 64 bits as a float, the guard's parser keeps it an integer).
+    assert str(e.value).split(", got ")[0] == answer["error"].split(", got ")[0]
 
 
 @FUZZ

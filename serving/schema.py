@@ -123,8 +123,13 @@ def json_type(value: Any) -> str:
         return "boolean"
     if isinstance(value, int | float | LongInteger):
         return "number"
-    names = {str: "string", list: "array", dict: "object", type(None): "null"}
-    return next((name for t, name in names.items() if isinstance(value, t)), type(value).__name__)
+    names: tuple[tuple[type, str], ...] = (
+        (str, "string"),
+        (list, "array"),
+        (dict, "object"),
+        (type(None), "null"),
+    )
+    return next((name for t, name in names if isinstance(value, t)), type(value).__name__)
 
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
@@ -248,9 +253,7 @@ def check_instance(
     history = raw.get("history")
     if history is not None:
         if not isinstance(history, list):
-            raise BadRequest(
-                f"{where}.history: must be a list of item id strings, got {json_type(history)}"
-            )
+            raise BadRequest(f"{where}.history: must be a list of item id strings, got {json_type(history)}")
         if len(history) > cfg.max_history:
             raise BadRequest(f"{where}.history: too long ({len(history)} > {cfg.max_history})")
         for j, h in enumerate(history):

@@ -84,16 +84,22 @@ def bootstrap_ci(values: np.ndarray, n_boot: int = 1000, seed: int = 0, alpha: f
     return [float(lo_q), float(hi_q)]
 
 
-def apply_fallback(rankings: Sequence[Sequence[int]], valid: Sequence[bool], n: int) -> list[list[int]]:
-    """Invalid rankings -> identity. A ranking flagged valid must be a permutation (a caller bug otherwise)."""
+def apply_fallback(
+    rankings: Sequence[Sequence[int]], valid: Sequence[bool], n: int | Sequence[int]
+) -> list[list[int]]:
+    """Invalid rankings -> identity. A ranking flagged valid must be a permutation (a caller bug otherwise). `n`:
+    the lists' length, or each list's own (lists of different lengths)."""
+    lengths = [n] * len(valid) if isinstance(n, int) else list(n)
     out = []
-    for i, (r, ok) in enumerate(zip(rankings, valid, strict=True)):
+    for i, (r, ok, length) in enumerate(zip(rankings, valid, lengths, strict=True)):
         if ok:
-            if not check_permutation(r, n):
-                raise ValueError(f"ranking {i} is flagged valid but is not a permutation of 0..{n - 1}: {r}")
+            if not check_permutation(r, length):
+                raise ValueError(
+                    f"ranking {i} is flagged valid but is not a permutation of 0..{length - 1}: {r}"
+                )
             out.append([int(x) for x in r])
         else:
-            out.append(list(range(n)))
+            out.append(list(range(length)))
     return out
 
 

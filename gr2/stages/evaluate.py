@@ -74,10 +74,10 @@ def rankings(
     lists had an unknown candidate."""
     cands = examples["candidates"].tolist()
     known = [all(model.known_item(c) for c in cs) for cs in cands]
-    n = profile.data.n_candidates
     out = [list(range(len(cs))) for cs in cands]
     idx = [i for i, k in enumerate(known) if k]
     sub = examples.iloc[idx].reset_index(drop=True)
+    n = [len(cands[i]) for i in idx]  # lists of any length 2..N
     if idx and isinstance(model, GenerativeReranker):
         decoder = "ar" if model.block_size == 0 else "diffusion"
         answers, _ = decode_answers(model, sub, decoder, tau if decoder == "diffusion" else None, profile)

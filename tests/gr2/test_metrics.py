@@ -78,3 +78,12 @@ def test_bootstrap_cis():
     best = [[y] + [j for j in range(5) if j != y] for y in ex.label]
     row = M.evaluate(ex, best, n_boot=300)
     assert row["recall@1"] == 1.0 and row["delta_vs_floor"]["recall@1"][0] > 0.6
+
+
+def test_fallback_takes_each_lists_own_length():
+    """Lists of different lengths (clients send 2..N; the report cuts test lists): each invalid one falls back to
+    its own retriever order, and a valid one must be a permutation of its own length."""
+    out = M.apply_fallback([[1, 0], [0], [2, 0, 1]], [True, False, True], [2, 3, 3])
+    assert out == [[1, 0], [0, 1, 2], [2, 0, 1]]
+    with pytest.raises(ValueError, match=r"ranking 0 .* permutation of 0..2"):
+        M.apply_fallback([[1, 0]], [True], [3])

@@ -317,9 +317,8 @@ def commit_round(shifted: torch.Tensor, blk: Block, how: Commit, rules: Rules | 
         rules.seen |= (hit & new[..., None]).any(1)
     if how.commit_fn is not None and blk.logprobs is not None:
         blk.logprobs[:, :c] = torch.where(commit, lp, blk.logprobs[:, :c])
-    blk.tokens[:, :c] = torch.where(
-        commit, pred, blk.tokens[:, :c]
-    )  # (no boolean indexing: it waits for a nonzero)
+    # (no boolean indexing: it waits for a nonzero)
+    blk.tokens[:, :c] = torch.where(commit, pred, blk.tokens[:, :c])
     if blk.traj is not None:
         blk.traj[:, :c].masked_fill_(commit, rnd)
     blk.committed[:, :c] |= commit
@@ -381,9 +380,8 @@ def open_block(d: Decoding, s0: int, end: int, first: tuple[torch.Tensor, torch.
         tokens[:, 0] = torch.where(first[1], first[0], tokens[:, 0])
         committed[:, 0] |= first[1]
     tokens[d.done] = d.fill
-    blk = Block(
-        tokens, committed, s0, d.traj[:, s0:end], None if d.logprobs is None else d.logprobs[:, s0:end]
-    )
+    logprobs = None if d.logprobs is None else d.logprobs[:, s0:end]
+    blk = Block(tokens, committed, s0, d.traj[:, s0:end], logprobs)
     if d.rules is not None:
         if first is not None:
             d.rules.seen |= tokens[:, 0, None] == d.rules.unique
@@ -398,22 +396,20 @@ def block_loop(
     last one is cut at L). Each starts as a canvas of masks; each round predicts the open positions (`logits`)
     and commits per `how` (`commit_round`), then the trace's forced labels; an eos ends its row once every
     position before it is decoded. `verify` (spec) then checks the finished block."""
-    end = 0
+    end, rules = 0, d.rules
     for s0 in range(0, d.L, block_size):
         if bool(d.done.all()):
             break
         end = min(s0 + block_size, d.L)
         blk = open_block(d, s0, end, None if verify is None else verify.first)
         while not bool(blk.committed.all()):
-            blk.eos_seen |= commit_round(logits(d, blk), blk, how, d.rules, d.rnd)
-            if (
-                blk.per_round and d.rules is not None
-            ):  # the slots this round left, which are the next round's too:
-                # forced commits write answer slots only, and the slots read only trace tokens
-                blk.slots, blk.per_round = d.rules.round_slots(d.resp, blk.committed, s0)
-            if how.commit_fn is None and blk.slots is not None and d.rules is not None:
+            blk.eos_seen |= commit_round(logits(d, blk), blk, how, rules, d.rnd)
+            if rules is not None and blk.per_round:  # the slots this round left: the next round's too (forced
+                # commits write answer slots only, and the slots read only trace tokens)
+                blk.slots, blk.per_round = rules.round_slots(d.resp, blk.committed, s0)
+            if rules is not None and blk.slots is not None and how.commit_fn is None:
                 forced_commits(
-                    blk.slots, blk.tokens, blk.committed, d.rules.seen, d.rules.unique, blk.traj, d.rnd
+                    blk.slots, blk.tokens, blk.committed, rules.seen, rules.unique, blk.traj, d.rnd
                 )
             d.rnd += 1
             if blk.eos_seen and how.eos_id is not None:
@@ -458,10 +454,37 @@ class _RowsCache:
         return logits.index_copy_(0, i, out)
 
 
+class BlockCache:
+    """A model's KV cache of the prompt and the finished blocks (the module docstring's finished block's KV), for
+    forwards over the open block: a block's first forward also feeds the finished blocks not yet stored, and
+    every forward's block KV is dropped again."""
+
+    def __init__(self, model: torch.nn.Module, d: Decoding):
+        self.model = model
+        self.cache, self.logits = prefill(model, d)  # logits [B, V]: the prompts' last column
+        self.stored = 0  # response columns in the cache: the finished blocks fed so far
+
+    def forward(self, d: Decoding, blk: Block, mask: torch.Tensor) -> torch.Tensor:
+        """The logits of the open block's columns, and first of the last finished column when this forward
+        stores finished blocks (mask: the fed columns' attention rows)."""
+        P, end, cl = d.P, blk.end, blk.tokens.shape[1]
+        logits = self.model(
+            input_ids=d.seq[:, P + self.stored : P + end],
+            attention_mask=mask,
+            position_ids=d.pos[:, P + self.stored : P + end],
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=cl + (self.stored < blk.s0),  # the LM head skips the rest of the finished blocks
+        ).logits
+        d.nfe += 1
+        self.cache.crop(-cl)  # keep prompt + finished blocks, drop the block
+        self.stored = blk.s0
+        return logits
+
+
 class CachedLogits:
-    """A round's logits from a KV cache of the prompt and the finished blocks (the module docstring's finished
-    block's KV). A round predicts every open position with the AR token shift: position j from hidden j - 1,
-    position 0 from the last clean token before the block (the anchor).
+    """A round's logits from a `BlockCache`. A round predicts every open position with the AR token shift:
+    position j from hidden j - 1, position 0 from the last clean token before the block (the anchor).
 
     Rows that wait for others (row_subsets). Every row of a batch runs the same rounds, so a row whose block is
     decided waits for the batch's slowest row. Such rows sit those rounds out: a round's forward reads only the
@@ -469,51 +492,39 @@ class CachedLogits:
     (up to the rounding of a smaller matrix product), and the tokens are."""
 
     def __init__(self, model: torch.nn.Module, d: Decoding, block_size: int, row_subsets: bool):
-        self.model, self.row_subsets = model, row_subsets
+        self.kv, self.row_subsets = BlockCache(model, d), row_subsets
+        self.anchor = self.kv.logits
         # Every response row's attention over prompt + response, built once; each block's masks are slices of it.
         cols = torch.arange(d.P, d.P + d.L, device=d.seq.device)
         self.rows = attention_rows(d.P, cols, d.P + d.L, block_size, d.pad_lens)
-        self.cache, self.anchor = prefill(model, d)
-        self.stored = 0  # response columns in the cache: the finished blocks fed so far
         self.s0 = -1  # the block the two below belong to
         self.canvas_mask = self.rows  # the open block's canvas rows of `rows`
         self.part: _RowsCache | None = None  # the cache rows of the rows still open (row_subsets)
 
     def __call__(self, d: Decoding, blk: Block) -> torch.Tensor:
         s0, end, P = blk.s0, blk.end, d.P
-        cl, new = end - s0, self.stored < s0  # new: the block's first forward also feeds the finished blocks
         if s0 != self.s0:  # a new block: its canvas's mask; no copy of cache rows yet
             self.s0, self.part = s0, None
             self.canvas_mask = self.rows[:, :, s0:end, : P + end].contiguous()
-        if not new:
-            todo = (~blk.committed[:, 1:]).any(-1)  # rows open past position 0
-            n_todo = int(todo.sum())
-            if n_todo == 0:  # only position 0 open: its logits (the anchor) ignore the canvas
-                return self.anchor[:, None]
-            if self.row_subsets and n_todo < len(todo):  # the other rows sit the round out
-                if self.part is None or not torch.equal(self.part.rows, todo):
-                    self.part = _RowsCache(self.cache, todo)
-                ids, pos = d.seq[:, P + s0 : P + end], d.pos[:, P + s0 : P + end]
-                d.nfe += 1
-                out = self.part.forward(self.model, ids, self.canvas_mask, pos, cl)
-                return torch.cat([self.anchor[:, None], out[:, :-1]], dim=1)
-        logits = self.model(
-            input_ids=d.seq[:, P + self.stored : P + end],
-            attention_mask=self.rows[:, :, self.stored : end, : P + end].contiguous()
-            if new
-            else self.canvas_mask,
-            position_ids=d.pos[:, P + self.stored : P + end],
-            cache=self.cache,
-            use_cache=True,
-            # The finished blocks' last column (the new anchor) and the canvas; the LM head skips the rest.
-            logits_to_keep=cl + new,
-        ).logits
-        d.nfe += 1
-        self.cache.crop(-cl)  # keep prompt + finished blocks, drop the canvas
-        self.stored = s0
-        if new:  # column 0 is the new anchor: the logits are already token-shifted
+        stored = self.kv.stored
+        if (
+            stored < s0
+        ):  # the block's first forward also feeds the finished blocks: column 0 is the new anchor
+            logits = self.kv.forward(d, blk, self.rows[:, :, stored:end, : P + end].contiguous())
             self.anchor = logits[:, 0]
-            return logits[:, :cl]
+            return logits[:, :-1]  # already token-shifted: column j predicts position j
+        todo = (~blk.committed[:, 1:]).any(-1)  # rows open past position 0
+        n_todo = int(todo.sum())
+        if n_todo == 0:  # only position 0 open: its logits (the anchor) ignore the canvas
+            return self.anchor[:, None]
+        if self.row_subsets and n_todo < len(todo):  # the other rows sit the round out
+            if self.part is None or not torch.equal(self.part.rows, todo):
+                self.part = _RowsCache(self.kv.cache, todo)
+            ids, pos = d.seq[:, P + s0 : P + end], d.pos[:, P + s0 : P + end]
+            d.nfe += 1
+            logits = self.part.forward(self.kv.model, ids, self.canvas_mask, pos, end - s0)
+        else:
+            logits = self.kv.forward(d, blk, self.canvas_mask)
         return torch.cat([self.anchor[:, None], logits[:, :-1]], dim=1)
 
 
@@ -568,26 +579,20 @@ class Verification:
     logits tie to ~1e-6.) Like the draft, the verifier stores a finished block with its first forward of the next."""
 
     def __init__(self, verifier: torch.nn.Module, d: Decoding):
-        self.model = verifier
-        self.cache, logits = prefill(verifier, d)
+        self.kv = BlockCache(verifier, d)
         self.n = 1  # verifier forwards, the prefill included
-        self.stored = 0  # response columns in the cache: the finished blocks
         # The verifier's token for the next block's first position, and the rows where it is exact: the
         # verifier read all their tokens before it.
-        self.first = (logits.argmax(-1), torch.ones_like(d.done))
+        self.first = (self.kv.logits.argmax(-1), torch.ones_like(d.done))
 
     def __call__(self, d: Decoding, blk: Block) -> None:
         tokens, cl = blk.tokens, blk.tokens.shape[1]
         cols = torch.arange(cl, device=tokens.device)[None, :]
-        first, known = (
-            self.first[0],
-            torch.zeros_like(d.done),
-        )  # known: set again by this block's verifications
-        kept = d.done[:, None] | (
-            (cols == 0) & self.first[1][:, None]
-        )  # verified: always a prefix of the block
+        # kept: verified, always a prefix of the block; known: set again by this block's verifications
+        kept = d.done[:, None] | ((cols == 0) & self.first[1][:, None])
+        first, known = self.first[0], torch.zeros_like(d.done)
         while not bool(kept.all()):
-            new = self.stored < blk.s0  # the block's first verification also feeds the finished blocks
+            new = self.kv.stored < blk.s0  # the block's first verification also feeds the finished blocks
             top = self.logits(d, blk, new).argmax(-1)
             if new:  # column 0 is the last finished column: it predicts position 0
                 want = top[:, :cl]
@@ -611,19 +616,8 @@ class Verification:
 
     def logits(self, d: Decoding, blk: Block, new: bool) -> torch.Tensor:
         """The verifier's logits for the block's positions (and the next block's first), under the rules."""
-        P, end, cl = d.P, blk.end, blk.tokens.shape[1]
-        logits = self.model(
-            input_ids=d.seq[:, P + self.stored : P + end],
-            attention_mask=d.attn[:, : P + end],
-            position_ids=d.pos[:, P + self.stored : P + end],
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=cl + new,
-        ).logits
-        d.nfe += 1
+        logits = self.kv.forward(d, blk, d.attn[:, : d.P + blk.end])
         self.n += 1
-        self.cache.crop(-cl)
-        self.stored = blk.s0
         if d.rules is None:
             return logits
         return d.rules.causal_logits(logits, d.resp, blk.s0 if new else blk.s0 + 1)

@@ -62,12 +62,14 @@ def digest(
     }
 
 
-def check(run: Path, split: str, batch1_lists: int) -> dict:
+def check(run: Path, split: str, batch1_lists: int, limit: int = 0) -> dict:
     report = json.loads((run / "report.json").read_text())
     profile = run_profile(run)
     torch.set_num_threads(profile.eval.threads)
     examples = run_examples(run)
     df = examples[examples["split"] == split].reset_index(drop=True)
+    if limit > 0:
+        df = df.head(limit)
     names = [r["model"] for r in report["rows"]]
     bundles = run_bundles(run)
     models = {name: load(bundles[name]) for name in names if name in bundles}
@@ -158,13 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--batch1-lists", type=int, default=200, help="lists decoded at batch 1 (the split's first)"
     )
+    ap.add_argument("--limit", type=int, default=0, help="only the split's first N lists (0: all)")
     ap.add_argument("--out", required=True, help="the digests (JSON)")
     ap.add_argument("--compare", help="digests of another commit (--out of an earlier run of this tool)")
     ap.add_argument(
         "--report", default="benchmarks/decode_equivalence", help="comparison prefix (.json, .md)"
     )
     args = ap.parse_args(argv)
-    res = check(Path(args.run).resolve(), args.split, args.batch1_lists)
+    res = check(Path(args.run).resolve(), args.split, args.batch1_lists, args.limit)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     if not args.compare:

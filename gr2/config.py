@@ -168,12 +168,12 @@ class PromptConfig:
     # Semantic IDs shown in the prompt: "none" (labels and evidence buckets only), "candidates" (+ each
     # candidate's SID), "all" (+ the history's SIDs). Chosen on validation (docs/RESULTS.md, 'The SFT recipe').
     item_tokens: str = "none"
-    # Decode the answer as a permutation: every decoder writes each candidate's label at most once (gr2/decode.py
+    # Decode the answer as a permutation: every decoder writes each candidate's label at most once (gr2/rules.py
     # `unique`). Without it parallel decoding writes one label at two ranks of one block (docs/RESULTS.md, 'The
     # permutation rule').
     unique_labels: bool = True
     # The answer follows the trace: once the trace is written, the answer's k-th label must be a candidate with
-    # the trace's k-th highest score level (gr2/decode.py `answer_slots`; needs unique_labels). Every decoder, RL's
+    # the trace's k-th highest score level (gr2/rules.py `answer_slots`; needs unique_labels). Every decoder, RL's
     # sampler and its replay apply it. Chosen on validation (docs/RESULTS.md, 'Answers that follow their trace').
     follow_trace: bool = True
 

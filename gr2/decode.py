@@ -1,13 +1,19 @@
 """The decoders: AR with a KV cache, threshold-commit block diffusion (docs/PAPER.md), and lossless speculative
 decoding (a block-diffusion draft checked by the AR model). Each returns nfe.
 
-Straight functions in the style of LLaDA / Fast-dLLM `generate.py`: `ar_generate`, `diffusion_generate` (KV cache),
-`diffusion_generate_nocache` (the reference the cached loop must equal) and `spec_generate`; the diffusion loops
-share one commit step (`_commit_round`: the commit rule plus its bookkeeping). They take unpadded prompts (lists of
-token ids), left-pad them (see gr2/model.py for the layout) and return `tokens` [B, max_new_tokens]. A row is
-finished once it has an eos with every position before it decoded; positions the decoder never wrote after that
-are filled with eos. Read a row up to its first eos: with block_size > 1, tokens committed after the eos inside
-the same block are kept as decoded (the trajectory must replay them) and mean nothing.
+Straight functions in the style of LLaDA / Fast-dLLM `generate.py`: `ar_generate`, `diffusion_generate` and
+`spec_generate`. They take unpadded prompts (lists of token ids), left-pad them into one `Decoding` state (see
+gr2/model.py for the layout) and return `tokens` [B, max_new_tokens]. A row is finished once it has an eos with
+every position before it decoded; positions the decoder never wrote after that are filled with eos. Read a row up
+to its first eos: with block_size > 1, tokens committed after the eos inside the same block are kept as decoded
+(the trajectory must replay them) and mean nothing.
+
+One block skeleton. Block diffusion and spec run the same loop, `block_loop`: per block, open a canvas of masks,
+run commit rounds until every position is committed, then (spec only) verify the block. What differs between
+modes is where a round's logits come from, one provider per mode: `CachedLogits` (a KV cache; diffusion's forwards
+read only the rows still open) for diffusion and for spec's draft, and a full recompute for the reference decoders
+of gr2/decode_reference.py, which the tests hold the fast ones to. Spec's verification is the loop's hook
+(`Verification`). Every mode commits through one step (`commit_round`: the commit rule plus its bookkeeping).
 
 nfe = number of model forward calls for the whole batch, prefill included. For AR generating L tokens that is
 exactly L (the prefill yields the first token). Block diffusion, per block: one forward per commit round,
@@ -24,26 +30,14 @@ finished block's KV kept, the canvas KV dropped (`DynamicCache.crop`). That cost
 forward per block and no extra forward: block_size = 1 diffusion is AR exactly, nfe included, and
 nfe = 1 + n_blocks when every block commits in one round.
 
-Permutation answers. `unique` (optional) names tokens that may appear at most once in a response: the answer's
-candidate labels, so that every decoder writes each candidate once. Every decoder applies the same rule: a unique
-token already written is banned from the logits (`ban_repeats`), and a diffusion round that picks one unique
-token at two positions commits only the more confident (`one_of_each`). The equivalences below hold with it.
-
-Answers that follow their trace. `follow` (optional, with `unique`) makes the answer agree with the trace the
-response wrote before it (gr2/prompt.py: one label and one score level per candidate, then the answer's head, then
-labels one token apart). Once a row's whole trace is decoded, the answer's k-th label must be a candidate whose
-level is the k-th highest of the trace (`answer_slots`; nothing else may go there): the answer ranks by the trace, and the model itself only
-orders candidates that share a level. Until then a row's answer labels wait: a parallel round commits none of them
-while a trace position of the row is still open (in a block that holds the trace's end and the answer's first
-labels, a label committed in the trace's last round would be unruled). The trace's open positions precede the
-labels in the same block, so a round always has something to commit. The rule is per position, so parallel rounds
-obey it as AR does, and every equivalence below holds with it. A greedy diffusion round ends with
-`forced_commits`: an open answer position that the rule, given what the round committed, leaves a single label
-(a level no other candidate has, or the last label of a tied level) is committed in that round. Its logits could
-not pick anything else, so waiting a round for them would cost a forward and decide nothing. (An AR decoder
-could skip those forwards too, by feeding a forced token together with the next one, as jump-forward decoding
-does; `ar_generate` decodes one token per forward, the baseline the speedups are measured against.) Sampling
-(`commit_fn`) leaves them to the model's rounds, so RL's replay sees the trajectory it sampled.
+Rules. `unique` (tokens written at most once per row) and `follow` (the answer follows the trace) are
+gr2/rules.py's; every decoder applies both, and the equivalences hold with them. A greedy diffusion round ends
+with `forced_commits`: an open answer position that the trace rule, given what the round committed, leaves a
+single label (a level no other candidate has, or the last label of a tied level) is committed in that round. Its
+logits could not pick anything else, so waiting a round for them would cost a forward and decide nothing. (An AR
+decoder could skip those forwards too, by feeding a forced token together with the next one, as jump-forward
+decoding does; `ar_generate` decodes one token per forward, the baseline the speedups are measured against.)
+Sampling (`commit_fn`) leaves them to the model's rounds, so RL's replay sees the trajectory it sampled.
 
 Greedy by default. The token-choice rule is pluggable (`pick` for AR, `commit_fn` for diffusion) so that
 gr2/rl.py samples its rollouts with these same loops; the optional `logprobs` output tensor then receives the
@@ -53,15 +47,15 @@ rule's log-prob of every decoded token. The greedy path computes no log-probs (n
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NamedTuple, cast
+from dataclasses import dataclass, field
+from typing import cast
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from gr2.model import attention_rows, block_causal_mask, model_config, position_ids_for
+from gr2.model import attention_rows, model_config, position_ids_for
+from gr2.rules import Rules, Slots, TraceRule, one_of_each, rule_bans, single_label
 
 
 def left_pad(
@@ -76,170 +70,6 @@ def left_pad(
         ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
     pad_lens = torch.tensor([P - len(p) for p in prompts], dtype=torch.long)
     return ids.to(device), pad_lens.to(device)
-
-
-# pick(logits [B, V]) -> (tokens [B], log-probs [B]): the AR token choice (default: arg-max).
-PickRule = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-# commit_fn(logits [B, C, V], masked [B, C], tau) -> (commit [B, C], tokens [B, C], log-probs [B, C]):
-# the diffusion commit rule (default: `select_commits`).
-CommitRule = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class TraceRule:
-    """The tokens `answer_slots` reads (module docstring: answers that follow their trace)."""
-
-    labels: (
-        torch.Tensor
-    )  # [K] the candidates' label tokens [A], [B], ... (prompt and trace); label i answers unique[i]
-    levels: torch.Tensor  # [S] the score-level tokens <score_0>, <score_1>, ...: a level's value is its index
-    head: int  # tokens between the trace and the answer's first label ('{ "ranking" : [')
-
-    def n_candidates(self, prompt_ids: torch.Tensor) -> torch.Tensor:
-        """[B]: the candidates of each (padded) prompt [B, P], i.e. its label tokens."""
-        return torch.isin(prompt_ids, self.labels.to(prompt_ids.device)).sum(-1)
-
-
-class Slots(NamedTuple):
-    """The answer's label positions that the trace rules (`answer_slots`)."""
-
-    active: torch.Tensor  # [B, T]: an answer label's position, ruled by its row's decoded, well-formed trace
-    allowed: torch.Tensor  # [B, T, K]: the labels (unique[k]) the trace allows there
-    no_label: (
-        torch.Tensor
-    )  # [B, T]: a position after such a trace where no label belongs (head, commas, tail)
-    wait: torch.Tensor  # [B, T]: an answer label's position whose row's trace is not all decoded yet
-
-    def cols(self, start: int, stop: int | None = None) -> Slots:
-        return Slots(*(t[:, start:stop] for t in self))
-
-
-def answer_slots(rule: TraceRule, resp: torch.Tensor, known: torch.Tensor, n: torch.Tensor) -> Slots:
-    """The positions of response [B, T] where the trace rules the answer (`known`: decoded positions; n [B]:
-    candidates per row). A row whose trace is decoded and well formed (label i then one level, for i < n) rules
-    its answer's k-th label position: only a candidate whose level is the trace's k-th highest may go there; and
-    no label may go anywhere else after the trace (a label written past the answer would take a slot's label).
-    A row whose trace still has an undecoded position makes its answer's label positions wait: a parallel round
-    must not commit a label that the rest of the trace could rule out (module docstring)."""
-    B, T = resp.shape
-    K = len(rule.labels)
-    dev = resp.device
-    active = torch.zeros(B, T, dtype=torch.bool, device=dev)
-    allowed = torch.zeros(B, T, K, dtype=torch.bool, device=dev)
-    if T <= 2 * int(n.min()):  # no row is past its trace
-        return Slots(active, allowed, active.clone(), active.clone())
-    i = torch.arange(K, device=dev)
-    lab_col, lev_col = (2 * i).clamp(max=T - 1), (2 * i + 1).clamp(max=T - 1)
-    is_level = resp[:, lev_col, None] == rule.levels.to(dev)  # [B, K, S]
-    entry_ok = (
-        (resp[:, lab_col] == rule.labels.to(dev))
-        & is_level.any(-1)
-        & known[:, lab_col]
-        & known[:, lev_col]
-        & (2 * i + 1 < T)
-    )
-    cand = i[None, :] < n[:, None]  # [B, K]
-    trace_ok = (entry_ok | ~cand).all(-1)  # [B]
-    level = torch.where(cand, is_level.long().argmax(-1), -1)  # [B, K]; -1: not a candidate of the row
-    slot_level = level.sort(-1, descending=True).values  # [B, K]: the level the answer's k-th label must have
-    slot_col = 2 * n[:, None] + rule.head + 2 * i[None, :]  # [B, K]
-    rows, slots = (trace_ok[:, None] & cand & (slot_col < T)).nonzero(as_tuple=True)
-    cols = slot_col[rows, slots]
-    active[rows, cols] = True
-    allowed[rows, cols] = level[rows] == slot_level[rows, slots, None]
-    past_trace = torch.arange(T, device=dev)[None, :] >= 2 * n[:, None]  # [B, T]
-    trace_known = (known | past_trace).all(-1)  # [B]
-    wait = torch.zeros_like(active)
-    w_rows, w_slots = (~trace_known[:, None] & cand & (slot_col < T)).nonzero(as_tuple=True)
-    wait[w_rows, slot_col[w_rows, w_slots]] = True
-    return Slots(active, allowed, trace_ok[:, None] & past_trace & ~active, wait)
-
-
-def _slot_bans(
-    slots: Slots, seen: torch.Tensor | None, unique: torch.Tensor, vocab: int
-) -> torch.Tensor | None:
-    """`keep_slots`' mask [B, C, vocab] (True = banned), or None when it bans nothing."""
-    allowed = slots.allowed if seen is None else slots.allowed & ~seen
-    rule = slots.active & allowed.any(-1)
-    if not bool(rule.any() or slots.no_label.any()):
-        return None
-    ban = torch.zeros(*allowed.shape[:2], vocab, dtype=torch.bool, device=allowed.device)
-    ban[rule] = True
-    ban[..., unique] = (rule[..., None] & ~allowed) | slots.no_label[..., None]
-    return ban
-
-
-def keep_slots(
-    logits: torch.Tensor, slots: Slots, seen: torch.Tensor | None, unique: torch.Tensor
-) -> torch.Tensor:
-    """logits [B, C, V] with every token but the allowed labels not yet written (seen [B, C or 1, K]) banned at the
-    active slots [B, C], and every label banned at the no-label positions. A slot with no such label left (the
-    answer put one elsewhere before the trace ruled it) is left as it is, so that some token stays possible."""
-    ban = _slot_bans(slots, seen, unique, logits.shape[-1])
-    return logits if ban is None else logits.masked_fill(ban, float("-inf"))
-
-
-def rule_bans(
-    vocab: int, seen: torch.Tensor | None, slots: Slots | None, unique: torch.Tensor
-) -> torch.Tensor | None:
-    """`ban_repeats` then `keep_slots` as one mask [B, C, vocab] (True = banned; seen [B, K]), or None when
-    neither bans anything: what a diffusion round applies to its logits (one masked_fill instead of two)."""
-    ban = None if slots is None else _slot_bans(slots, None if seen is None else seen[:, None], unique, vocab)
-    if seen is None or not bool(seen.any()):  # the trace holds no label: no repeat to ban
-        return ban
-    if ban is None:
-        C = 1 if slots is None else slots.active.shape[1]
-        ban = torch.zeros(seen.shape[0], C, vocab, dtype=torch.bool, device=seen.device)
-    ban[..., unique] |= seen[:, None]
-    return ban
-
-
-def single_label(slots: Slots, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the active slots [B, C] whose trace allows exactly one label not in `seen` [B, C or 1, K], and the labels
-    still allowed [B, C, K]): the positions the rule decides without the model."""
-    allowed = slots.allowed & ~seen
-    return slots.active & (allowed.sum(-1) == 1), allowed
-
-
-def _follow_n(
-    follow: TraceRule | None, unique: torch.Tensor | None, prompt_ids: torch.Tensor
-) -> torch.Tensor | None:
-    """Candidates per row when the answer follows the trace (None otherwise); the rule needs `unique`."""
-    if follow is None:
-        return None
-    if unique is None:
-        raise ValueError("follow (the answer follows the trace) needs unique (the answer's label tokens)")
-    return follow.n_candidates(prompt_ids)
-
-
-def _trace_ends(n: torch.Tensor | None) -> tuple[int, int]:
-    """The response columns where the shortest and the longest trace end (a label and a level per candidate).
-    Before the first `answer_slots` rules nothing; from the second on it reads only decoded trace tokens, so a
-    loop computes it once for the rest of the response."""
-    return (0, 0) if n is None else (2 * int(n.min()), 2 * int(n.max()))
-
-
-def _block_slots(
-    follow: TraceRule | None, n: torch.Tensor | None, resp: torch.Tensor, committed: torch.Tensor
-) -> Slots | None:
-    """`answer_slots` for the open block, the last committed.shape[1] columns of resp [B, end]: the positions
-    before the block are decoded, the block's are as far as `committed` says. None without the rule."""
-    if follow is None or n is None:
-        return None
-    cl = committed.shape[1]
-    known = torch.cat([torch.ones_like(resp[:, : resp.shape[1] - cl], dtype=torch.bool), committed], dim=1)
-    return answer_slots(follow, resp, known, n).cols(-cl)
-
-
-def _check_logprobs(logprobs: torch.Tensor | None, rule: Callable | None, shape: tuple[int, int]) -> None:
-    """Validate the optional output tensor and clear it: fillers (never decoded) keep log-prob 0."""
-    if logprobs is None:
-        return
-    if rule is None:
-        raise ValueError("logprobs needs a token-choice rule that returns them (pick / commit_fn)")
-    if tuple(logprobs.shape) != shape:
-        raise ValueError(f"logprobs has shape {tuple(logprobs.shape)}, expected {shape}")
-    logprobs.zero_()
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -259,34 +89,120 @@ def pad_prompts(prompts: list[list[int]], model: torch.nn.Module) -> tuple[torch
     return left_pad(prompts, model_pad_id(model), model_device(model))
 
 
-def _layout(
-    prompts: list[list[int]], max_new_tokens: int, model: torch.nn.Module, fill: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decoding buffer and what every forward slices: (seq [B, P + L] = left-padded prompts then `fill`,
-    pad_lens [B], attn [B, P + L] (1 = a real column), pos [B, P + L] position ids)."""
+# pick(logits [B, V]) -> (tokens [B], log-probs [B]): the AR token choice (default: arg-max).
+PickRule = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# commit_fn(logits [B, C, V], masked [B, C], tau) -> (commit [B, C], tokens [B, C], log-probs [B, C]):
+# the diffusion commit rule (default: `select_commits`).
+CommitRule = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class Decoding:
+    """One decoding call: the buffer every forward slices, the finished rows, the rules and the counts."""
+
+    seq: torch.Tensor  # [B, P + L]: the left-padded prompts, then the response as it is decoded
+    pad_lens: torch.Tensor  # [B]
+    P: int  # the prompts' (padded) width
+    eos_id: int | None
+    fill: int  # what a finished row's undecoded positions get (eos)
+    rules: Rules | None = None  # unique / follow (gr2/rules.py)
+    logprobs: torch.Tensor | None = None  # [B, L] optional output: each decoded token's log-prob
+    nfe: int = 0
+    rnd: int = 0  # commit rounds so far: the trajectory's clock
+    attn: torch.Tensor = field(init=False)  # [B, P + L]: 1 = a real column
+    pos: torch.Tensor = field(init=False)  # [B, P + L]: position ids
+    done: torch.Tensor = field(init=False)  # [B]: finished rows
+    traj: torch.Tensor = field(init=False)  # [B, L]: the commit round of each token (-1: never decoded)
+
+    def __post_init__(self) -> None:
+        B, dev = self.seq.shape[0], self.seq.device
+        cols = torch.arange(self.seq.shape[1], device=dev)
+        self.attn = (cols[None, :] >= self.pad_lens[:, None]).long()
+        self.pos = position_ids_for(self.pad_lens, cols)
+        self.done = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.traj = torch.full((B, self.L), -1, dtype=torch.long, device=dev)
+
+    @property
+    def resp(self) -> torch.Tensor:
+        return self.seq[:, self.P :]  # a view: the response as it is decoded
+
+    @property
+    def L(self) -> int:
+        return self.seq.shape[1] - self.P
+
+
+def start(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    empty: int,
+    eos_id: int | None,
+    unique: torch.Tensor | None = None,
+    follow: TraceRule | None = None,
+) -> Decoding:
+    """The state of a decoding call: the prompts left-padded for `model`, then max_new_tokens of `empty` (what
+    an undecoded position holds: the mask for diffusion), and the rules for these prompts."""
     ids, pad_lens = pad_prompts(prompts, model)
-    dev = ids.device
-    seq = torch.cat([ids, torch.full((ids.shape[0], max_new_tokens), fill, device=dev)], dim=1)
-    cols = torch.arange(seq.shape[1], device=dev)
-    attn = (cols[None, :] >= pad_lens[:, None]).long()
-    return seq, pad_lens, attn, position_ids_for(pad_lens, cols)
+    seq = torch.cat([ids, torch.full((len(ids), max_new_tokens), empty, device=ids.device)], dim=1)
+    fill = eos_id if eos_id is not None else empty  # (without an eos no row finishes: nothing is filled)
+    return Decoding(seq, pad_lens, ids.shape[1], eos_id, fill, Rules.start(unique, follow, ids))
 
 
-def _prefill(
-    model: torch.nn.Module, seq: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, P: int
-) -> tuple[DynamicCache, torch.Tensor]:
-    """Feed the prompt (the first P columns) into a new cache; returns it and the logits [B, V] of the prompt's
-    last column (they predict the first response token)."""
+def check_logprobs(logprobs: torch.Tensor | None, rule: Callable | None, d: Decoding) -> torch.Tensor | None:
+    """Validate the optional output tensor and clear it: fillers (never decoded) keep log-prob 0."""
+    if logprobs is None:
+        return None
+    if rule is None:
+        raise ValueError("logprobs needs a token-choice rule that returns them (pick / commit_fn)")
+    if tuple(logprobs.shape) != tuple(d.traj.shape):
+        raise ValueError(f"logprobs has shape {tuple(logprobs.shape)}, expected {tuple(d.traj.shape)}")
+    return logprobs.zero_()
+
+
+def prefill(model: torch.nn.Module, d: Decoding) -> tuple[DynamicCache, torch.Tensor]:
+    """Feed the prompts into a new cache; returns it and the logits [B, V] of the prompts' last column (they
+    predict the first response token)."""
     cache = DynamicCache()
     logits = model(
-        input_ids=seq[:, :P],
-        attention_mask=attn[:, :P],
-        position_ids=pos[:, :P],
+        input_ids=d.seq[:, : d.P],
+        attention_mask=d.attn[:, : d.P],
+        position_ids=d.pos[:, : d.P],
         cache=cache,
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]
+    d.nfe += 1
     return cache, logits
+
+
+# ---------------------------------------------------------------------------------------------- AR
+# step(d, t) -> the logits [B, V] that predict response position t (one forward).
+ARStep = Callable[[Decoding, int], torch.Tensor]
+
+
+def ar_loop(d: Decoding, step: ARStep, pick: PickRule | None) -> None:
+    """AR decoding: one token per forward, for every row, until every row has its eos."""
+    resp, rules = d.resp, d.rules
+    for t in range(d.L):
+        logits = step(d, t)
+        d.nfe += 1
+        if rules is not None:
+            logits = rules.ar_logits(logits, resp, t)
+        if pick is None:
+            tok = logits.argmax(-1)
+        else:
+            tok, lp = pick(logits)
+            if d.logprobs is not None:
+                d.logprobs[:, t] = lp.masked_fill(d.done, 0.0)
+        if d.eos_id is not None:
+            tok = tok.masked_fill(d.done, d.eos_id)
+        resp[:, t] = tok
+        if rules is not None:
+            rules.seen |= tok[:, None] == rules.unique
+        if d.eos_id is not None:
+            d.done |= tok == d.eos_id
+            if bool(d.done.all()):
+                break
 
 
 @torch.no_grad()
@@ -295,72 +211,39 @@ def ar_generate(
     prompts: list[list[int]],
     max_new_tokens: int,
     eos_id: int | None,
-    use_cache: bool = True,
     pick: PickRule | None = None,
     logprobs: torch.Tensor | None = None,
     unique: torch.Tensor | None = None,
     follow: TraceRule | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """AR decoding, batched with left padding. Returns (tokens [B, max_new_tokens], nfe).
+    """AR decoding with a KV cache, batched with left padding. Returns (tokens [B, max_new_tokens], nfe).
 
-    use_cache=False re-runs the whole sequence every step (reference path for tests).
     pick: the token choice from the last logits (default greedy arg-max, no log-probs computed).
     logprobs: optional output [B, max_new_tokens] (needs `pick`): each decoded token's log-prob as returned
     by `pick`, 0 for the eos filler written after a row finished.
-    unique: token ids written at most once per row; follow: the answer follows the trace (module docstring).
+    unique: token ids written at most once per row; follow: the answer follows the trace (gr2/rules.py).
     """
-    fill = eos_id if eos_id is not None else model_pad_id(model)
-    seq, _, attn, pos = _layout(prompts, max_new_tokens, model, fill)
-    B, P = seq.shape[0], seq.shape[1] - max_new_tokens
-    _check_logprobs(logprobs, pick, (B, max_new_tokens))
-    done = torch.zeros(B, dtype=torch.bool, device=seq.device)
-    seen = None if unique is None else torch.zeros(B, len(unique), dtype=torch.bool, device=seq.device)
-    n = _follow_n(follow, unique, seq[:, :P])
-    # fixed: the slots of the whole response, once every trace is decoded (`_trace_ends`)
-    trace_end, fixed = _trace_ends(n)[1], None
-    cache = DynamicCache() if use_cache else None
-    nfe = 0
-    for t in range(max_new_tokens):
-        lo = P + t - 1 if use_cache and t else 0  # cached: only the last decoded token is new
-        logits = model(
-            input_ids=seq[:, lo : P + t],
-            attention_mask=attn[:, : P + t],
-            position_ids=pos[:, lo : P + t],
+    empty = eos_id if eos_id is not None else model_pad_id(model)  # the tail once every row has finished
+    d = start(model, prompts, max_new_tokens, empty, eos_id, unique, follow)
+    d.logprobs = check_logprobs(logprobs, pick, d)
+    cache = DynamicCache()
+
+    def step(d: Decoding, t: int) -> torch.Tensor:
+        lo = d.P + t - 1 if t else 0  # only the last decoded token is new (the first step: the prompt)
+        return model(
+            input_ids=d.seq[:, lo : d.P + t],
+            attention_mask=d.attn[:, : d.P + t],
+            position_ids=d.pos[:, lo : d.P + t],
             cache=cache,
-            use_cache=use_cache,
+            use_cache=True,
             logits_to_keep=1,  # the LM head on the last column only (the prefill would project all P)
         ).logits[:, -1]
-        nfe += 1
-        if seen is not None and unique is not None and bool(seen.any()):  # nothing to ban before a label
-            logits = ban_repeats(logits[:, None], seen[:, None], unique)[:, 0]
-        if follow is not None and n is not None and unique is not None:
-            if t < trace_end:
-                resp = seq[:, P : P + t + 1]
-                slots = answer_slots(follow, resp, torch.ones_like(resp, dtype=torch.bool), n).cols(-1)
-            else:
-                if fixed is None:
-                    resp = seq[:, P:]
-                    fixed = answer_slots(follow, resp, torch.ones_like(resp, dtype=torch.bool), n)
-                slots = fixed.cols(t, t + 1)
-            logits = keep_slots(logits[:, None], slots, None if seen is None else seen[:, None], unique)[:, 0]
-        if pick is None:
-            tok = logits.argmax(-1)
-        else:
-            tok, lp = pick(logits)
-            if logprobs is not None:
-                logprobs[:, t] = lp.masked_fill(done, 0.0)
-        if eos_id is not None:
-            tok = tok.masked_fill(done, eos_id)
-        seq[:, P + t] = tok
-        if seen is not None:
-            seen |= tok[:, None] == unique
-        if eos_id is not None:
-            done |= tok == eos_id
-            if bool(done.all()):
-                break
-    return seq[:, P:].clone(), nfe
+
+    ar_loop(d, step, pick)
+    return d.resp.clone(), d.nfe
 
 
+# ---------------------------------------------------------------------------------------------- commits
 def threshold_commits(conf: torch.Tensor, masked: torch.Tensor, tau: float) -> torch.Tensor:
     """The commit rule (docs/PAPER.md) on confidences [B, C]: every masked position with conf >= tau, plus the single
     most confident masked one (progress even when nothing clears tau). Rows with nothing masked commit nothing."""
@@ -383,78 +266,63 @@ def select_commits(
     return threshold_commits(top_lp.exp(), masked, tau), pred, top_lp
 
 
-def seen_before(tokens: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:
-    """tokens [B, T] -> [B, T + 1, K]: whether unique[k] occurs in tokens[:, :t], for t = 0..T."""
-    hit = (tokens[:, :, None] == unique).long().cumsum(1) > 0
-    return torch.cat([torch.zeros_like(hit[:, :1]), hit], dim=1)
+@dataclass(frozen=True)
+class Commit:
+    """How a mode's rounds commit (`commit_round`)."""
+
+    tau: float
+    commit_fn: CommitRule | None = None  # None: `select_commits`, greedy (then `forced_commits` too)
+    eos_id: int | None = None  # a committed eos may finish its row (spec's draft: None, its verifier does)
 
 
-def ban_repeats(logits: torch.Tensor, seen: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:
-    """logits [B, C, V] with -inf at every unique token already written: seen [B, C or 1, K] (`seen_before`)."""
-    ban = torch.zeros(*seen.shape[:2], logits.shape[-1], dtype=torch.bool, device=logits.device)
-    ban[..., unique] = seen
-    return logits.masked_fill(ban, float("-inf"))
+@dataclass
+class Block:
+    """The open block: the response's columns s0:end (views) and what its rounds know about them."""
+
+    tokens: torch.Tensor  # [B, cl]: the canvas
+    committed: torch.Tensor  # [B, cl]
+    s0: int = 0
+    traj: torch.Tensor | None = None  # [B, cl]: the round each token was committed at
+    logprobs: torch.Tensor | None = None  # [B, cl]: their log-probs (a sampling commit_fn)
+    slots: Slots | None = None  # the positions the trace rules (`answer_slots`)
+    per_round: bool = False  # the commits can change the slots: read them again after each round
+    eos_seen: bool = False  # an eos was committed in the block (only then can a row have finished)
+
+    @property
+    def end(self) -> int:
+        return self.s0 + self.tokens.shape[1]
 
 
-def one_of_each(
-    commit: torch.Tensor, pred: torch.Tensor, conf: torch.Tensor, unique: torch.Tensor
-) -> torch.Tensor:
-    """commit [B, C] less the positions that pick a unique token another committed position of the round picks
-    with more confidence (equal: the leftmost wins). The round's most confident position always stays."""
-    u = commit & torch.isin(pred, unique)
-    same = (pred[:, :, None] == pred[:, None, :]) & u[:, :, None] & u[:, None, :]  # [B, i, j]
-    col = torch.arange(pred.shape[1], device=pred.device)
-    beats = (conf[:, None, :] > conf[:, :, None]) | (
-        (conf[:, None, :] == conf[:, :, None]) & (col[None, None, :] < col[None, :, None])
-    )
-    return commit & ~(same & beats).any(-1)
-
-
-def _commit_round(
-    shifted: torch.Tensor,
-    committed: torch.Tensor,
-    tau: float,
-    commit_fn: CommitRule | None,
-    block: torch.Tensor,
-    traj: torch.Tensor | None,
-    logprobs: torch.Tensor | None,
-    rnd: int,
-    eos_id: int | None,
-    unique: torch.Tensor | None = None,
-    seen: torch.Tensor | None = None,
-    slots: Slots | None = None,
-) -> bool:
-    """One commit round, shared by the diffusion loops: the commit rule on the token-shifted logits [B, c, V] of
-    the block's first c positions, then its bookkeeping in place: the committed tokens into `block`, `rnd` into
-    `traj`, their log-probs into `logprobs` (all three: the block's columns) and `committed` [B, cl].
-    unique / seen [B, K]: the tokens written at most once, and which of them the response holds so far (updated
-    in place with this round's commits). slots: the block's positions the trace rules (`answer_slots`).
-    Returns whether an eos was committed (only then can a row have finished)."""
+def commit_round(shifted: torch.Tensor, blk: Block, how: Commit, rules: Rules | None, rnd: int) -> bool:
+    """One commit round: the commit rule on the token-shifted logits [B, c, V] of the block's first c positions,
+    then its bookkeeping in place: the committed tokens, `rnd` into their trajectory, their log-probs, `committed`,
+    and the labels the response holds (`rules.seen`). Returns whether an eos was committed."""
     c = shifted.shape[1]
-    masked = ~committed[:, :c]
-    if slots is not None:  # a label waits for its row's trace (module docstring)
-        slots = slots.cols(0, c)
+    masked = ~blk.committed[:, :c]
+    slots = None if blk.slots is None else blk.slots.cols(0, c)
+    if slots is not None:  # a label waits for its row's trace (gr2/rules.py)
         masked &= ~slots.wait
-    if unique is not None:
-        ban = rule_bans(shifted.shape[-1], seen, slots, unique)
+    if rules is not None:
+        ban = rule_bans(shifted.shape[-1], rules.seen, slots, rules.unique)
         if ban is not None:
             shifted = shifted.masked_fill(ban, float("-inf"))
     # the module global, looked up per round (tests spy on it)
-    commit, pred, lp = (select_commits if commit_fn is None else commit_fn)(shifted, masked, tau)
-    if seen is not None and unique is not None:  # ban what the response holds already
-        hit = pred[..., None] == unique  # [B, c, K] (cheaper than torch.isin on a few columns)
+    commit, pred, lp = (select_commits if how.commit_fn is None else how.commit_fn)(shifted, masked, how.tau)
+    if rules is not None:  # ban what the response holds already
+        hit = pred[..., None] == rules.unique  # [B, c, K] (cheaper than torch.isin on a few columns)
         new = commit & hit.any(-1)
         if bool((new.sum(-1) > 1).any()):  # two positions may pick one label: the more confident commits
-            commit = one_of_each(commit, pred, lp, unique)
+            commit = one_of_each(commit, pred, lp, rules.unique)
             new &= commit
-        seen |= (hit & new[..., None]).any(1)
-    if commit_fn is not None and logprobs is not None:
-        logprobs[:, :c] = torch.where(commit, lp, logprobs[:, :c])
-    block[:, :c] = torch.where(commit, pred, block[:, :c])  # (no boolean indexing: it waits for a nonzero)
-    if traj is not None:
-        traj[:, :c].masked_fill_(commit, rnd)
-    committed[:, :c] |= commit
-    return eos_id is not None and bool((commit & (pred == eos_id)).any())
+        rules.seen |= (hit & new[..., None]).any(1)
+    if how.commit_fn is not None and blk.logprobs is not None:
+        blk.logprobs[:, :c] = torch.where(commit, lp, blk.logprobs[:, :c])
+    # (no boolean indexing: it waits for a nonzero)
+    blk.tokens[:, :c] = torch.where(commit, pred, blk.tokens[:, :c])
+    if blk.traj is not None:
+        blk.traj[:, :c].masked_fill_(commit, rnd)
+    blk.committed[:, :c] |= commit
+    return how.eos_id is not None and bool((commit & (pred == how.eos_id)).any())
 
 
 def forced_commits(
@@ -483,24 +351,77 @@ def forced_commits(
     seen |= pick.any(1)
 
 
-def _finish_rows(
-    block: torch.Tensor, committed: torch.Tensor, done: torch.Tensor, eos_id: int, fill: int
-) -> None:
+def finish_rows(blk: Block, done: torch.Tensor, eos_id: int, fill: int) -> None:
     """Rows whose block holds a committed eos with every earlier position committed are done: their open
     positions get `fill` and count as committed (in place)."""
+    committed = blk.committed
     before = torch.cat(
         [torch.ones_like(committed[:, :1]), committed[:, :-1].long().cumprod(-1).bool()], dim=1
     )
-    newly = (committed & (block == eos_id) & before).any(-1) & ~done
+    newly = (committed & (blk.tokens == eos_id) & before).any(-1) & ~done
     if bool(newly.any()):
         done |= newly
         rest = newly[:, None] & ~committed
-        block[rest] = fill
+        blk.tokens[rest] = fill
         committed |= newly[:, None]
 
 
+# ---------------------------------------------------------------------------------------------- the block loop
+# logits(d, blk) -> the token-shifted logits [B, c, V] of the block's first c positions (c = 1: only position
+# 0's, which need no forward); the provider counts its forwards in d.nfe.
+Logits = Callable[[Decoding, Block], torch.Tensor]
+
+
+def open_block(d: Decoding, s0: int, end: int, first: tuple[torch.Tensor, torch.Tensor] | None) -> Block:
+    """The canvas of columns s0:end: masks, and `fill` in finished rows. first (spec): the verifier's token for
+    the block's first position and the rows where it is exact, which start with it committed."""
+    tokens, committed = d.resp[:, s0:end], d.done[:, None].repeat(1, end - s0)
+    if first is not None:
+        tokens[:, 0] = torch.where(first[1], first[0], tokens[:, 0])
+        committed[:, 0] |= first[1]
+    tokens[d.done] = d.fill
+    logprobs = None if d.logprobs is None else d.logprobs[:, s0:end]
+    blk = Block(tokens, committed, s0, d.traj[:, s0:end], logprobs)
+    if d.rules is not None:
+        if first is not None:
+            d.rules.seen |= tokens[:, 0, None] == d.rules.unique
+        blk.slots, blk.per_round = d.rules.open_slots(d.resp, committed, s0)
+    return blk
+
+
+def block_loop(
+    d: Decoding, block_size: int, how: Commit, logits: Logits, verify: Verification | None = None
+) -> None:
+    """The block skeleton of every block decoder. Blocks of `block_size` are aligned at the response start (the
+    last one is cut at L). Each starts as a canvas of masks; each round predicts the open positions (`logits`)
+    and commits per `how` (`commit_round`), then the trace's forced labels; an eos ends its row once every
+    position before it is decoded. `verify` (spec) then checks the finished block."""
+    end, rules = 0, d.rules
+    for s0 in range(0, d.L, block_size):
+        if bool(d.done.all()):
+            break
+        end = min(s0 + block_size, d.L)
+        blk = open_block(d, s0, end, None if verify is None else verify.first)
+        while not bool(blk.committed.all()):
+            blk.eos_seen |= commit_round(logits(d, blk), blk, how, rules, d.rnd)
+            if rules is not None and blk.per_round:  # the slots this round left: the next round's too (forced
+                # commits write answer slots only, and the slots read only trace tokens)
+                blk.slots, blk.per_round = rules.round_slots(d.resp, blk.committed, s0)
+            if rules is not None and blk.slots is not None and how.commit_fn is None:
+                forced_commits(
+                    blk.slots, blk.tokens, blk.committed, rules.seen, rules.unique, blk.traj, d.rnd
+                )
+            d.rnd += 1
+            if blk.eos_seen and how.eos_id is not None:
+                finish_rows(blk, d.done, how.eos_id, d.fill)
+        if verify is not None:
+            verify(d, blk)
+    d.resp[:, end:] = d.fill  # blocks never reached because every row had finished
+
+
+# ---------------------------------------------------------------------------------------------- diffusion
 class _RowsCache:
-    """Some rows of a decoding cache, copied, for forwards over those rows only (`diffusion_generate`).
+    """Some rows of a decoding cache, copied, for forwards over those rows only (`CachedLogits`).
 
     The copy holds the prompt and the finished blocks of the rows in `rows` [B] (bool); a forward appends the
     canvas KV, which `forward` crops again, so the copy serves every round while the same rows are open."""
@@ -509,7 +430,7 @@ class _RowsCache:
         self.rows, self.index = rows, rows.nonzero().squeeze(1)
         self.cache = DynamicCache()
         for i, layer in enumerate(cache.layers):
-            layer = cast(DynamicLayer, layer)  # what a DynamicCache() fills (`_prefill`)
+            layer = cast(DynamicLayer, layer)  # what a DynamicCache() fills (`prefill`)
             assert layer.keys is not None and layer.values is not None
             self.cache.update(layer.keys[self.index], layer.values[self.index], i)
 
@@ -533,6 +454,80 @@ class _RowsCache:
         return logits.index_copy_(0, i, out)
 
 
+class BlockCache:
+    """A model's KV cache of the prompt and the finished blocks (the module docstring's finished block's KV), for
+    forwards over the open block: a block's first forward also feeds the finished blocks not yet stored, and
+    every forward's block KV is dropped again."""
+
+    def __init__(self, model: torch.nn.Module, d: Decoding):
+        self.model = model
+        self.cache, self.logits = prefill(model, d)  # logits [B, V]: the prompts' last column
+        self.stored = 0  # response columns in the cache: the finished blocks fed so far
+
+    def forward(self, d: Decoding, blk: Block, mask: torch.Tensor) -> torch.Tensor:
+        """The logits of the open block's columns, and first of the last finished column when this forward
+        stores finished blocks (mask: the fed columns' attention rows)."""
+        P, end, cl = d.P, blk.end, blk.tokens.shape[1]
+        logits = self.model(
+            input_ids=d.seq[:, P + self.stored : P + end],
+            attention_mask=mask,
+            position_ids=d.pos[:, P + self.stored : P + end],
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=cl + (self.stored < blk.s0),  # the LM head skips the rest of the finished blocks
+        ).logits
+        d.nfe += 1
+        self.cache.crop(-cl)  # keep prompt + finished blocks, drop the block
+        self.stored = blk.s0
+        return logits
+
+
+class CachedLogits:
+    """A round's logits from a `BlockCache`. A round predicts every open position with the AR token shift:
+    position j from hidden j - 1, position 0 from the last clean token before the block (the anchor).
+
+    Rows that wait for others (row_subsets). Every row of a batch runs the same rounds, so a row whose block is
+    decided waits for the batch's slowest row. Such rows sit those rounds out: a round's forward reads only the
+    rows with an open position past position 0 (`_RowsCache`). Rows are independent, so their logits are the same
+    (up to the rounding of a smaller matrix product), and the tokens are."""
+
+    def __init__(self, model: torch.nn.Module, d: Decoding, block_size: int, row_subsets: bool):
+        self.kv, self.row_subsets = BlockCache(model, d), row_subsets
+        self.anchor = self.kv.logits
+        # Every response row's attention over prompt + response, built once; each block's masks are slices of it.
+        cols = torch.arange(d.P, d.P + d.L, device=d.seq.device)
+        self.rows = attention_rows(d.P, cols, d.P + d.L, block_size, d.pad_lens)
+        self.s0 = -1  # the block the two below belong to
+        self.canvas_mask = self.rows  # the open block's canvas rows of `rows`
+        self.part: _RowsCache | None = None  # the cache rows of the rows still open (row_subsets)
+
+    def __call__(self, d: Decoding, blk: Block) -> torch.Tensor:
+        s0, end, P = blk.s0, blk.end, d.P
+        if s0 != self.s0:  # a new block: its canvas's mask; no copy of cache rows yet
+            self.s0, self.part = s0, None
+            self.canvas_mask = self.rows[:, :, s0:end, : P + end].contiguous()
+        stored = self.kv.stored
+        if (
+            stored < s0
+        ):  # the block's first forward also feeds the finished blocks: column 0 is the new anchor
+            logits = self.kv.forward(d, blk, self.rows[:, :, stored:end, : P + end].contiguous())
+            self.anchor = logits[:, 0]
+            return logits[:, :-1]  # already token-shifted: column j predicts position j
+        todo = (~blk.committed[:, 1:]).any(-1)  # rows open past position 0
+        n_todo = int(todo.sum())
+        if n_todo == 0:  # only position 0 open: its logits (the anchor) ignore the canvas
+            return self.anchor[:, None]
+        if self.row_subsets and n_todo < len(todo):  # the other rows sit the round out
+            if self.part is None or not torch.equal(self.part.rows, todo):
+                self.part = _RowsCache(self.kv.cache, todo)
+            ids, pos = d.seq[:, P + s0 : P + end], d.pos[:, P + s0 : P + end]
+            d.nfe += 1
+            logits = self.part.forward(self.kv.model, ids, self.canvas_mask, pos, end - s0)
+        else:
+            logits = self.kv.forward(d, blk, self.canvas_mask)
+        return torch.cat([self.anchor[:, None], logits[:, :-1]], dim=1)
+
+
 @torch.no_grad()
 def diffusion_generate(
     model: torch.nn.Module,
@@ -542,7 +537,6 @@ def diffusion_generate(
     tau: float,
     mask_id: int,
     eos_id: int | None,
-    use_cache: bool = True,
     commit_fn: CommitRule | None = None,
     logprobs: torch.Tensor | None = None,
     unique: torch.Tensor | None = None,
@@ -550,212 +544,83 @@ def diffusion_generate(
 ) -> tuple[torch.Tensor, int, torch.Tensor]:
     """Block-diffusion decoding with threshold commits (greedy by default). Returns (tokens, nfe, trajectory).
 
-    Blocks of `block_size` are aligned at the response start (the last one is cut at max_new_tokens). Each
-    block starts as a canvas of `mask_id`; each round predicts every masked position with the AR token shift
-    (position j from hidden j-1; position 0 from the last clean token before the block: the anchor) and commits
-    per `select_commits`. The prompt is prefilled once into a DynamicCache; each finished block is added to it
-    by the next block's first forward (module docstring).
+    `block_loop` with `CachedLogits` (row subsets on): the prompt is prefilled once into a DynamicCache; each
+    finished block is added to it by the next block's first forward (module docstring). Each round commits per
+    `select_commits` at tau (or `commit_fn`).
 
     trajectory [B, max_new_tokens]: the commit round (0-based, counted over the whole call and shared by the
     batch) at which each token was committed; -1 = eos filler written after the row finished. To replay the
     canvas a token was predicted from (RL): its block holds the tokens with a smaller round, masks elsewhere.
 
-    use_cache=False runs `diffusion_generate_nocache`, the reference (same tokens and trajectory).
-
-    Rows that wait for others. Every row of a batch runs the same rounds, so a row whose block is decided waits
-    for the batch's slowest row. Such rows sit those rounds out: a round's forward reads only the rows with an
-    open position past position 0 (`_RowsCache`). Rows are independent, so their logits are the same (up to the
-    rounding of a smaller matrix product), and the tokens are.
-
-    commit_fn: the commit rule, called as commit_fn(shifted logits, masked, tau) -> (commit, tokens,
-    log-probs) (default `select_commits`, no log-probs computed). logprobs: optional output
-    [B, max_new_tokens] (needs `commit_fn`): each committed token's log-prob as returned by the rule,
-    0 where trajectory is -1. unique: token ids written at most once per row; follow: the answer follows the
-    trace (module docstring).
+    commit_fn: the commit rule, called as commit_fn(shifted logits, masked, tau) -> (commit, tokens, log-probs)
+    (default `select_commits`, no log-probs computed). logprobs: optional output [B, max_new_tokens] (needs
+    `commit_fn`): each committed token's log-prob as returned by the rule, 0 where trajectory is -1.
+    unique, follow: gr2/rules.py.
     """
-    if not use_cache:
-        return diffusion_generate_nocache(
-            model,
-            prompts,
-            max_new_tokens,
-            block_size,
-            tau,
-            mask_id,
-            eos_id,
-            commit_fn,
-            logprobs,
-            unique,
-            follow,
-        )
-    L = max_new_tokens
-    fill = eos_id if eos_id is not None else mask_id
-    seq, pad_lens, attn, pos = _layout(prompts, L, model, mask_id)
-    B, P = seq.shape[0], seq.shape[1] - L
-    _check_logprobs(logprobs, commit_fn, (B, L))
-    resp = seq[:, P:]  # a view: the response as it is decoded
-    traj = torch.full((B, L), -1, dtype=torch.long, device=seq.device)
-    done = torch.zeros(B, dtype=torch.bool, device=seq.device)
-    seen = None if unique is None else torch.zeros(B, len(unique), dtype=torch.bool, device=seq.device)
-    n = _follow_n(follow, unique, seq[:, :P])
-    first_end, trace_end = _trace_ends(n)
-    cache, anchor = _prefill(model, seq, attn, pos, P)
-    nfe, rnd, end = 1, 0, 0
-    after: Slots | None = None  # the slots past every trace
-    # Every response row's attention over prompt + response, built once; each block's masks are slices of it.
-    rows = attention_rows(P, torch.arange(P, P + L, device=seq.device), P + L, block_size, pad_lens)
-    for s0 in range(0, L, block_size):
-        if bool(done.all()):
-            break
-        end = min(s0 + block_size, L)
-        cl = end - s0
-        block, committed = resp[:, s0:end], done[:, None].repeat(1, cl)
-        block[done] = fill
-        back = min(s0, block_size)  # the finished block, fed again by this block's first forward
-        first_mask = rows[:, :, s0 - back : end, : P + end].contiguous()  # [finished block, canvas] rows
-        canvas_mask = first_mask[:, :, back:].contiguous()
-        # Before any trace ends a block has no slots; past every trace the slots do not change (`_trace_ends`):
-        # they are read once, for the rest of the response, when the first block past every trace opens.
-        if s0 >= trace_end and follow is not None and n is not None and after is None:
-            after = answer_slots(follow, resp, torch.ones_like(resp, dtype=torch.bool), n)
-        fixed = None if after is None else after.cols(s0, end)
-        per_round = first_end < end and s0 < trace_end
-        # The block's trace positions (a label and a level per candidate): once all are decoded, its slots are fixed.
-        in_trace = None if n is None else torch.arange(s0, end, device=seq.device)[None, :] < 2 * n[:, None]
-        slots = _block_slots(follow, n, resp[:, :end], committed) if per_round else fixed
-        eos_seen = False  # no row can finish inside this block before some row commits an eos in it
-        part: _RowsCache | None = None  # the cache rows of the rows still open (below)
-        while not bool(committed.all()):
-            todo = None if back else (~committed[:, 1:]).any(-1)  # rows open past position 0 (None: all rows)
-            n_todo = B if todo is None else int(todo.sum())
-            if n_todo == 0:
-                shifted = anchor[:, None]  # only position 0 open: its logits (the anchor) ignore the canvas
-            elif todo is not None and n_todo < B:
-                # The other rows sit the round out (position 0's logits are the anchor's): the forward reads the
-                # open rows only, from a copy of their cache rows, kept while the same rows are open.
-                if part is None or not torch.equal(part.rows, todo):
-                    part = _RowsCache(cache, todo)
-                logits = part.forward(
-                    model, seq[:, P + s0 : P + end], canvas_mask, pos[:, P + s0 : P + end], cl
-                )
-                nfe += 1
-                shifted = torch.cat([anchor[:, None], logits[:, :-1]], dim=1)
-            else:  # every row; a block's first forward (back) also stores the finished block for every row
-                logits = model(
-                    input_ids=seq[:, P + s0 - back : P + end],
-                    attention_mask=first_mask if back else canvas_mask,
-                    position_ids=pos[:, P + s0 - back : P + end],
-                    cache=cache,
-                    use_cache=True,
-                    # The finished block's last column (the new anchor) and the canvas; the LM head skips the
-                    # rest of the finished block.
-                    logits_to_keep=cl + (1 if back else 0),
-                ).logits
-                nfe += 1
-                cache.crop(-cl)  # keep prompt + finished blocks, drop the canvas
-                if back:  # column 0 is the new anchor: the logits are already token-shifted
-                    anchor, shifted, back = logits[:, 0], logits[:, :cl], 0
-                else:
-                    shifted = torch.cat([anchor[:, None], logits[:, :-1]], dim=1)
-            lp = None if logprobs is None else logprobs[:, s0:end]
-            eos_seen |= _commit_round(
-                shifted,
-                committed,
-                tau,
-                commit_fn,
-                block,
-                traj[:, s0:end],
-                lp,
-                rnd,
-                eos_id,
-                unique,
-                seen,
-                slots,
-            )
-            if per_round:  # the slots this round left, which are the next round's too: forced commits write
-                # answer slots only, and the slots read only trace tokens
-                slots = _block_slots(follow, n, resp[:, :end], committed)
-                if in_trace is not None and bool((committed | ~in_trace).all()):
-                    fixed, per_round = slots, False
-            if commit_fn is None and slots is not None and seen is not None and unique is not None:
-                forced_commits(slots, block, committed, seen, unique, traj[:, s0:end], rnd)
-            rnd += 1
-            if eos_seen and eos_id is not None:  # (eos_seen implies an eos_id)
-                _finish_rows(block, committed, done, eos_id, fill)
-    resp[:, end:] = fill  # blocks never reached because every row had finished
-    return resp.clone(), nfe, traj
+    d = start(model, prompts, max_new_tokens, mask_id, eos_id, unique, follow)
+    d.logprobs = check_logprobs(logprobs, commit_fn, d)
+    rounds = CachedLogits(model, d, block_size, row_subsets=True)
+    block_loop(d, block_size, Commit(tau, commit_fn, eos_id), rounds)
+    return d.resp.clone(), d.nfe, d.traj
 
 
-@torch.no_grad()
-def diffusion_generate_nocache(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    block_size: int,
-    tau: float,
-    mask_id: int,
-    eos_id: int | None,
-    commit_fn: CommitRule | None = None,
-    logprobs: torch.Tensor | None = None,
-    unique: torch.Tensor | None = None,
-    follow: TraceRule | None = None,
-) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """The reference for `diffusion_generate`: every round re-runs prompt + finished blocks + canvas under
-    `block_causal_mask`, so every finished block is seen exactly as its own clean forward. Same arguments, tokens
-    and trajectory; nfe is one forward per round (the cached loop adds the prefill and skips the rounds where only
-    a block's first position is open)."""
-    L = max_new_tokens
-    fill = eos_id if eos_id is not None else mask_id
-    seq, pad_lens, _, pos = _layout(prompts, L, model, mask_id)
-    B, P = seq.shape[0], seq.shape[1] - L
-    _check_logprobs(logprobs, commit_fn, (B, L))
-    resp = seq[:, P:]
-    traj = torch.full((B, L), -1, dtype=torch.long, device=seq.device)
-    done = torch.zeros(B, dtype=torch.bool, device=seq.device)
-    seen = None if unique is None else torch.zeros(B, len(unique), dtype=torch.bool, device=seq.device)
-    n = _follow_n(follow, unique, seq[:, :P])
-    nfe, rnd, end = 0, 0, 0
-    for s0 in range(0, L, block_size):
-        if bool(done.all()):
-            break
-        end = min(s0 + block_size, L)
-        cl = end - s0
-        block, committed = resp[:, s0:end], done[:, None].repeat(1, cl)
-        block[done] = fill
-        eos_seen = False
-        while not bool(committed.all()):
-            T = P + end
-            logits = model(
-                input_ids=seq[:, :T],
-                attention_mask=block_causal_mask(P, T, block_size, pad_lens),
-                position_ids=pos[:, :T],
-            ).logits
-            nfe += 1
-            shifted = logits[:, P + s0 - 1 : T - 1]
-            lp = None if logprobs is None else logprobs[:, s0:end]
-            slots = _block_slots(follow, n, resp[:, :end], committed)
-            eos_seen |= _commit_round(
-                shifted,
-                committed,
-                tau,
-                commit_fn,
-                block,
-                traj[:, s0:end],
-                lp,
-                rnd,
-                eos_id,
-                unique,
-                seen,
-                slots,
-            )
-            if commit_fn is None and seen is not None and unique is not None:
-                now = _block_slots(follow, n, resp[:, :end], committed)
-                if now is not None:
-                    forced_commits(now, block, committed, seen, unique, traj[:, s0:end], rnd)
-            rnd += 1
-            if eos_seen and eos_id is not None:  # (eos_seen implies an eos_id)
-                _finish_rows(block, committed, done, eos_id, fill)
-    resp[:, end:] = fill
-    return resp.clone(), nfe, traj
+# ---------------------------------------------------------------------------------------------- spec
+class Verification:
+    """spec's hook: the AR verifier reads a drafted block in one causal forward and keeps the longest prefix that
+    equals its arg-max, plus its own token at the first disagreement; again until the whole block is kept.
+
+    The draft's tokens after a correction stay as drafted, unverified: the next verification reads them after the
+    corrected token (a correction seldom changes what follows it, so drafting them again would mostly cost draft
+    forwards; the verifier still reads every one of them). When the verifier accepted a whole block as fed, its
+    arg-max at the block's last column is the next block's first token (`first`). Every kept token is the
+    verifier's arg-max given kept tokens only (a causal column never sees the drafts after it), so the output is
+    AR greedy's whatever the draft; only the cost depends on the draft. (Up to float rounding: a forward over
+    several columns may round differently from one column at a time, which can only flip an arg-max whose top two
+    logits tie to ~1e-6.) Like the draft, the verifier stores a finished block with its first forward of the next."""
+
+    def __init__(self, verifier: torch.nn.Module, d: Decoding):
+        self.kv = BlockCache(verifier, d)
+        self.n = 1  # verifier forwards, the prefill included
+        # The verifier's token for the next block's first position, and the rows where it is exact: the
+        # verifier read all their tokens before it.
+        self.first = (self.kv.logits.argmax(-1), torch.ones_like(d.done))
+
+    def __call__(self, d: Decoding, blk: Block) -> None:
+        tokens, cl = blk.tokens, blk.tokens.shape[1]
+        cols = torch.arange(cl, device=tokens.device)[None, :]
+        # kept: verified, always a prefix of the block; known: set again by this block's verifications
+        kept = d.done[:, None] | ((cols == 0) & self.first[1][:, None])
+        first, known = self.first[0], torch.zeros_like(d.done)
+        while not bool(kept.all()):
+            new = self.kv.stored < blk.s0  # the block's first verification also feeds the finished blocks
+            top = self.logits(d, blk, new).argmax(-1)
+            if new:  # column 0 is the last finished column: it predicts position 0
+                want = top[:, :cl]
+            else:  # position 0 is kept by now (the block's first verification kept or corrected it)
+                want = torch.cat([tokens[:, :1], top[:, :-1]], dim=1)
+            wrong = ~kept & (tokens != want)
+            j = torch.where(wrong.any(-1), wrong.long().argmax(-1), cl)  # first disagreement (cl: none)
+            fix = cols == j[:, None]
+            tokens[fix] = want[fix]
+            kept = cols <= j[:, None]
+            known, first = j == cl, top[:, -1]  # all of the block read as kept: its next token is exact
+            if d.eos_id is not None:  # a kept eos ends its row: AR writes eos after it
+                eos = (kept & (tokens == d.eos_id)).long()
+                after = (eos.cumsum(-1) - eos) > 0
+                tokens[after] = d.fill
+                kept |= after
+                d.done |= eos.bool().any(-1)
+        self.first = (first, known)
+        if d.rules is not None:  # the verifier rewrote the block: the labels the response holds
+            d.rules.recount(d.resp[:, : blk.end])
+
+    def logits(self, d: Decoding, blk: Block, new: bool) -> torch.Tensor:
+        """The verifier's logits for the block's positions (and the next block's first), under the rules."""
+        logits = self.kv.forward(d, blk, d.attn[:, : d.P + blk.end])
+        self.n += 1
+        if d.rules is None:
+            return logits
+        return d.rules.causal_logits(logits, d.resp, blk.s0 if new else blk.s0 + 1)
 
 
 @torch.no_grad()
@@ -773,138 +638,15 @@ def spec_generate(
 ) -> tuple[torch.Tensor, int, int]:
     """Lossless speculative decoding: `ar_generate(verifier, ...)`'s tokens, with a block-diffusion draft.
 
-    Per block (aligned as in `diffusion_generate`): the `draft` fills the block's open positions with its
-    threshold-commit rounds (`select_commits` at tau), then the AR `verifier` reads the whole block in one causal
-    forward. The decoder keeps the longest prefix of the block that equals the verifier's arg-max, plus the
-    verifier's own token at the first disagreement. The draft's tokens after it stay as drafted, unverified: the
-    next verification reads them after the corrected token (a correction seldom changes what follows it, so
-    drafting them again would mostly cost draft forwards; the verifier still reads every one of them). When the
-    verifier accepted a whole block as fed, its arg-max at the block's last column is the next block's first
-    token. Every kept token is the verifier's arg-max given kept tokens only (a causal column never sees the
-    drafts after it), so the output is AR greedy's whatever the draft; only the cost depends on the draft. (Up to
-    float rounding: a forward over several columns may round differently from one column at a time, which can
-    only flip an arg-max whose top two logits tie to ~1e-6.)
+    `block_loop` with the `draft`'s `CachedLogits` (greedy threshold-commit rounds at tau, blocks aligned as in
+    `diffusion_generate`) and the `verifier`'s `Verification` as the hook. Returns (tokens [B, max_new_tokens],
+    nfe = draft plus verifier forwards, prefills included, verifier forwards).
 
-    Both models keep a KV cache of the prompt and the finished blocks; each stores a finished block with its first
-    forward of the next block, as `diffusion_generate` does. Returns (tokens [B, max_new_tokens], nfe = draft
-    plus verifier forwards, prefills included, verifier forwards).
-
-    unique, follow: token ids written at most once per row, and the answer follows the trace; the draft and the
-    verifier's arg-max both obey them, so the output is `ar_generate(..., unique=unique, follow=follow)`'s.
+    unique, follow (gr2/rules.py): the draft and the verifier's arg-max both obey them, so the output is
+    `ar_generate(..., unique=unique, follow=follow)`'s.
     """
-    L = max_new_tokens
-    fill = eos_id if eos_id is not None else model_pad_id(verifier)
-    seq, pad_lens, attn, pos = _layout(prompts, L, verifier, mask_id)
-    B, P = seq.shape[0], seq.shape[1] - L
-    resp = seq[:, P:]
-    done = torch.zeros(B, dtype=torch.bool, device=seq.device)
-    n = _follow_n(follow, unique, seq[:, :P])
-    first_end = _trace_ends(n)[0]
-    d_cache, anchor = _prefill(draft, seq, attn, pos, P)
-    v_cache, v_logits = _prefill(verifier, seq, attn, pos, P)
-    first = v_logits.argmax(-1)  # the verifier's next token (the first response token)
-    known = torch.ones_like(done)  # rows whose `first` is exact: the verifier read all their tokens before it
-    d_stored = v_stored = 0  # response columns in each cache (finished blocks only)
-    nfe, n_verify, end = 2, 1, 0
-    rows = attention_rows(P, torch.arange(P, P + L, device=seq.device), P + L, block_size, pad_lens)
-    for s0 in range(0, L, block_size):
-        if bool(done.all()):
-            break
-        end = min(s0 + block_size, L)
-        cl = end - s0
-        block = resp[:, s0:end]
-        block[:, 0] = torch.where(known, first, mask_id)
-        kept = torch.zeros(
-            B, cl, dtype=torch.bool, device=seq.device
-        )  # verified: always a prefix of the block
-        kept[:, 0] = known
-        known = torch.zeros_like(known)  # set again by this block's verifications
-        kept[done] = True
-        block[done] = fill
-        canvas_mask = rows[:, :, s0:end, : P + end].contiguous()
-        # Draft the block once: commit rounds until no position is open (which round committed what is not kept).
-        drafted = kept.clone()
-        seen = None  # the labels the response holds: earlier blocks and this block's kept positions
-        if unique is not None:
-            held = torch.cat([resp[:, :s0], block.masked_fill(~kept, mask_id)], dim=1)
-            seen = (held[:, :, None] == unique).any(1)
-        slots = _block_slots(follow, n, resp[:, :end], drafted)
-        while not bool(drafted.all()):
-            if d_stored < s0 or not bool(drafted[:, 1:].all()):
-                # A model's first forward of a block also feeds the finished blocks not yet in its cache.
-                new = d_stored < s0
-                logits = draft(
-                    input_ids=seq[:, P + d_stored : P + end],
-                    attention_mask=rows[:, :, d_stored:end, : P + end].contiguous() if new else canvas_mask,
-                    position_ids=pos[:, P + d_stored : P + end],
-                    cache=d_cache,
-                    use_cache=True,
-                    logits_to_keep=cl + new,
-                ).logits
-                nfe += 1
-                d_cache.crop(-cl)
-                d_stored = s0
-                if new:  # column 0 is the last finished column: the new anchor, already token-shifted
-                    anchor, shifted = logits[:, 0], logits[:, :cl]
-                else:
-                    shifted = torch.cat([anchor[:, None], logits[:, :-1]], dim=1)
-            else:
-                shifted = anchor[:, None]
-            _commit_round(shifted, drafted, tau, None, block, None, None, 0, None, unique, seen, slots)
-            # The slots this round left: the next round's too (forced commits write answer slots only, and
-            # the slots read only trace tokens).
-            slots = _block_slots(follow, n, resp[:, :end], drafted)
-            if slots is not None and seen is not None and unique is not None and end > first_end:
-                # as diffusion_generate: a slot the trace leaves one label is drafted without the model
-                # (the verifier's arg-max there is bound to the same label, so the draft only gets cheaper)
-                forced_commits(slots, block, drafted, seen, unique, None, 0)
-        while not bool(kept.all()):
-            # Verify: the verifier's arg-max for every position of the block, in one causal forward.
-            new = v_stored < s0
-            logits = verifier(
-                input_ids=seq[:, P + v_stored : P + end],
-                attention_mask=attn[:, : P + end],
-                position_ids=pos[:, P + v_stored : P + end],
-                cache=v_cache,
-                use_cache=True,
-                logits_to_keep=cl + new,
-            ).logits
-            nfe += 1
-            n_verify += 1
-            v_cache.crop(-cl)
-            v_stored = s0
-            if unique is not None:  # each column bans what the response holds before the position it predicts
-                before = seen_before(resp[:, :end], unique)
-                before = before[:, s0:] if new else before[:, s0 + 1 :]
-                logits = ban_repeats(logits, before, unique)
-                if follow is not None and n is not None:  # and keeps what the trace before it allows there
-                    ahead = seq[:, P : P + min(end + 1, L)]  # + the next block's first position
-                    sl = answer_slots(follow, ahead, torch.ones_like(ahead, dtype=torch.bool), n)
-                    if ahead.shape[1] == end:  # the response's last block: no position after it
-                        sl = Slots(
-                            F.pad(sl.active, (0, 1)),
-                            F.pad(sl.allowed, (0, 0, 0, 1)),
-                            F.pad(sl.no_label, (0, 1)),
-                            F.pad(sl.wait, (0, 1)),
-                        )
-                    logits = keep_slots(logits, sl.cols(s0 if new else s0 + 1), before, unique)
-            top = logits.argmax(-1)
-            if new:  # column 0 is the last finished column: it predicts position 0
-                want = top[:, :cl]
-            else:  # position 0 is kept by now (the block's first verification kept or corrected it)
-                want = torch.cat([block[:, :1], top[:, :-1]], dim=1)
-            wrong = ~kept & (block != want)
-            j = torch.where(wrong.any(-1), wrong.long().argmax(-1), cl)  # first disagreement (cl: none)
-            cols = torch.arange(cl, device=seq.device)[None, :]
-            fix = cols == j[:, None]
-            block[fix] = want[fix]
-            kept = cols <= j[:, None]
-            known, first = j == cl, top[:, -1]  # all of the block read as kept: its next token is exact
-            if eos_id is not None:  # a kept eos ends its row: AR writes eos after it
-                eos = (kept & (block == eos_id)).long()
-                after = (eos.cumsum(-1) - eos) > 0
-                block[after] = fill
-                kept |= after
-                done |= eos.bool().any(-1)
-    resp[:, end:] = fill
-    return resp.clone(), nfe, n_verify
+    d = start(verifier, prompts, max_new_tokens, mask_id, eos_id, unique, follow)
+    drafts = CachedLogits(draft, d, block_size, row_subsets=False)
+    verify = Verification(verifier, d)
+    block_loop(d, block_size, Commit(tau), drafts, verify)
+    return d.resp.clone(), d.nfe, verify.n

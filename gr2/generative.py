@@ -31,7 +31,7 @@ import torch
 from transformers import PreTrainedModel
 
 from gr2.config import DiffusionConfig
-from gr2.decode import TraceRule, ar_generate, diffusion_generate, spec_generate
+from gr2.decode import ar_generate, diffusion_generate, spec_generate
 from gr2.evidence import Evidence
 from gr2.inference import (
     CONFIG_FILE,
@@ -52,6 +52,7 @@ from gr2.prompt import (
     response_trace,
     score_token,
 )
+from gr2.rules import TraceRule
 from gr2.sid import SemanticIds
 from gr2.teacher import Teacher
 from gr2.tokenizer import load_tokenizer

@@ -33,19 +33,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from gr2.decode import (
-    Slots,
-    TraceRule,
-    answer_slots,
-    ar_generate,
-    ban_repeats,
-    diffusion_generate,
-    keep_slots,
-    pad_prompts,
-    threshold_commits,
-)
+from gr2.decode import ar_generate, diffusion_generate, pad_prompts, threshold_commits
 from gr2.losses import Batch, certainty_entropy, diffusion_logits, sample_masks
 from gr2.model import block_causal_mask, decoder_and_head, position_ids_for
+from gr2.rules import Slots, TraceRule, answer_slots, ban_repeats, keep_slots
 
 
 @dataclass
@@ -227,7 +218,7 @@ def sample(
     follow: TraceRule | None = None,
 ) -> Rollouts:
     """The model's own decoder, sampling: AR for block_size 0, block diffusion otherwise. unique, follow: the
-    tokens written at most once per row, the answer follows the trace (gr2/decode.py); `policy_logits` must then
+    tokens written at most once per row, the answer follows the trace (gr2/rules.py); `policy_logits` must then
     replay with the same."""
     if block_size <= 0:
         return sample_ar(model, prompts, max_new_tokens, eos_id, temperature, generator, unique, follow)

@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gr2.decode import TraceRule, answer_slots, diffusion_generate, pad_prompts, seen_before, single_label
+from gr2.decode import diffusion_generate, pad_prompts
 from gr2.generative import GenerativeReranker
+from gr2.rules import TraceRule, answer_slots, seen_before, single_label
 from gr2.stages.evaluate import load
 from pipelines.run_local import run_examples, run_profile
 from pipelines.speed_check import find_bundles

@@ -24,14 +24,22 @@ from gr2.report import git_sha, machine_info, speed_markdown
 from gr2.stages.evaluate import load, speed_table
 from pipelines.run_local import run_examples, run_profile
 
+# Where a run's steps keep their bundles: a training step's model/bundle, and CFT's naive conversion.
+BUNDLE_GLOBS = ("kfp/*/*/model/bundle/reranker.json", "kfp/*/*/naive_model/reranker.json")
+
+
+def run_bundles(run: Path) -> dict[str, Path]:
+    """Every bundle of a run directory by its reranker.json name (the names the evaluation rows use)."""
+    found: dict[str, Path] = {}
+    for pattern in BUNDLE_GLOBS:
+        for cfg in sorted(run.glob(pattern)):
+            found.setdefault(json.loads(cfg.read_text()).get("name"), cfg.parent)
+    return found
+
 
 def find_bundles(run: Path, names: list[str]) -> dict[str, Path]:
-    """Bundles of a run directory by their reranker.json name (the names the evaluation rows use)."""
-    found: dict[str, Path] = {}
-    for cfg in sorted(run.glob("kfp/*/*/model/bundle/reranker.json")):
-        name = json.loads(cfg.read_text()).get("name")
-        if name in names and name not in found:
-            found[name] = cfg.parent
+    """The bundles named `names` of a run directory (`run_bundles`), in that order."""
+    found = run_bundles(run)
     missing = [n for n in names if n not in found]
     if missing:
         raise FileNotFoundError(f"no bundle named {missing} under {run}/kfp/*/*/model/bundle")

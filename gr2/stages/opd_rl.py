@@ -29,13 +29,13 @@ import torch
 
 from gr2.candidates import shorten_some
 from gr2.config import OPDConfig, Profile, RLConfig, TrainConfig
-from gr2.decode import TraceRule
 from gr2.generative import GenerativeReranker, load_bundle_parts, load_verifier
 from gr2.losses import Batch
 from gr2.model import add_lora, load_model
 from gr2.opd import make_opd_batch, opd_loss
 from gr2.reward import response_reward
 from gr2.rl import RolloutBatch, group_advantages, grpo_loss, rollout_batch, sample
+from gr2.rules import TraceRule
 from gr2.stages.evaluate import decode_answers
 from gr2.stages.prepare import SFTData
 from gr2.stages.train_stages import write_bundle

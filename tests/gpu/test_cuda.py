@@ -16,6 +16,7 @@ import torch
 
 from gr2.config import TrainConfig
 from gr2.decode import ar_generate, diffusion_generate
+from gr2.decode_reference import ar_generate_nocache, diffusion_generate_nocache
 from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
 from gr2.model import convert_to_diffusion
 from gr2.train import BucketedBatches, train
@@ -67,11 +68,11 @@ def test_decoders_exact_on_cuda(models):
     ar, diff = models
     p = _prompts()
     cached, n1 = ar_generate(ar, p, 16, EOS)
-    plain, _ = ar_generate(ar, p, 16, EOS, use_cache=False)
+    plain, _ = ar_generate_nocache(ar, p, 16, EOS)
     assert cached.is_cuda and torch.equal(cached, plain)
     for tau in (1.0, 0.9, 0.5):
         a, na, ta = diffusion_generate(diff, p, 16, BS, tau, MASK, EOS)
-        b, nb, tb = diffusion_generate(diff, p, 16, BS, tau, MASK, EOS, use_cache=False)
+        b, nb, tb = diffusion_generate_nocache(diff, p, 16, BS, tau, MASK, EOS)
         assert torch.equal(a, b) and torch.equal(ta, tb)
     one = convert_to_diffusion(ar, 1, MASK)
     d1, nd, _ = diffusion_generate(one, p, 16, 1, 0.9, MASK, EOS)

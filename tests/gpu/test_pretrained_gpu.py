@@ -15,6 +15,7 @@ import torch
 
 from gr2.config import ModelConfig, load_profile
 from gr2.decode import diffusion_generate
+from gr2.decode_reference import diffusion_generate_nocache
 from gr2.losses import ar_batch_loss, collate
 from gr2.model import build_backbone, convert_to_diffusion
 from gr2.tokenizer import build_tokenizer
@@ -46,7 +47,7 @@ def test_bf16_accumulated_training_and_resume_on_cuda(pretrained, tmp_path):  # 
     diff = convert_to_diffusion(model, 4, MASK)
     p = [x for x, _, _ in toy_items(8, 9)]
     a = diffusion_generate(diff, p, 16, 4, 0.9, MASK, EOS)
-    b = diffusion_generate(diff, p, 16, 4, 0.9, MASK, EOS, use_cache=False)
+    b = diffusion_generate_nocache(diff, p, 16, 4, 0.9, MASK, EOS)
     assert torch.equal(a[0], b[0])
 
 

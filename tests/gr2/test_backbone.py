@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 
 from gr2.config import ModelConfig, TrainConfig
 from gr2.decode import ar_generate, diffusion_generate
+from gr2.decode_reference import ar_generate_nocache, diffusion_generate_nocache
 from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
 from gr2.model import build_backbone, convert_to_diffusion, load_model, save_model
 from gr2.opd import make_opd_batch, opd_loss
@@ -128,7 +129,7 @@ def test_lora_backbone_trains_and_the_diffusion_path_runs_unchanged(pretrained, 
     prompts = [p for p, _, _ in toy_items(6, 9)]
     assert torch.equal(ar_generate(reloaded, prompts, 12, EOS)[0], ar_generate(model, prompts, 12, EOS)[0])
     cached, _ = ar_generate(model, prompts, 12, EOS)
-    assert torch.equal(cached, ar_generate(model, prompts, 12, EOS, use_cache=False)[0])
+    assert torch.equal(cached, ar_generate_nocache(model, prompts, 12, EOS)[0])
 
     # Conversion, then CFT with fresh adapters, on the block-causal mask with token shift.
     diff = convert_to_diffusion(reloaded, BS, MASK)
@@ -145,7 +146,7 @@ def test_lora_backbone_trains_and_the_diffusion_path_runs_unchanged(pretrained, 
     assert len(res.losses) == 3 and all(torch.isfinite(torch.tensor(res.losses)))
     for tau in (1.0, 0.5):
         a = diffusion_generate(diff, prompts, 16, BS, tau, MASK, EOS)
-        b = diffusion_generate(diff, prompts, 16, BS, tau, MASK, EOS, use_cache=False)
+        b = diffusion_generate_nocache(diff, prompts, 16, BS, tau, MASK, EOS)
         assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
 
     # OPD and GRPO steps through the losses that call model.model / lm_head directly.

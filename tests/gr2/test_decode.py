@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import gr2.decode as dec
+import gr2.rules as rules
 from gr2.decode import ar_generate, diffusion_generate, select_commits, spec_generate
+from gr2.decode_reference import ar_generate_nocache, diffusion_generate_nocache
 from gr2.model import convert_to_diffusion
 from tests.gr2.test_train import EOS, MASK, toy_items, toy_model, toy_sft_and_cft
 from tests.gr2.trace_toy import ANSWER, ANSWER_IDS, FOLLOW, Scripted, follows, trace_items
@@ -36,7 +38,7 @@ def count_forwards(model):
 def test_ar_kv_cache_equals_no_cache(models):
     ar, _ = models
     a, n1 = ar_generate(ar, prompts(), 16, EOS)
-    b, n2 = ar_generate(ar, prompts(), 16, EOS, use_cache=False)
+    b, n2 = ar_generate_nocache(ar, prompts(), 16, EOS)
     assert torch.equal(a, b) and n1 == n2
     assert (a == EOS).any()  # the trained model stops: the eos path is exercised
     for row in a.tolist():  # everything after the first eos is eos
@@ -70,7 +72,7 @@ def test_diffusion_cache_equals_no_cache(models, bs, tau):
     _, diff = models
     L = 15  # not a multiple of the block size: the last block is cut short
     a, n1, t1 = diffusion_generate(diff, prompts(), L, bs, tau, MASK, EOS)
-    b, n2, t2 = diffusion_generate(diff, prompts(), L, bs, tau, MASK, EOS, use_cache=False)
+    b, n2, t2 = diffusion_generate_nocache(diff, prompts(), L, bs, tau, MASK, EOS)
     assert torch.equal(a, b) and torch.equal(t1, t2)
     assert n1 <= n2 + 1  # cache: skips canvas-independent rounds, adds only the prefill
 
@@ -249,12 +251,12 @@ def test_unique_keeps_the_equivalences(models, tau):
     ar, diff = models
     ps = prompts(8)
     a, _ = ar_generate(ar, ps, 15, EOS, unique=UNIQUE)
-    assert torch.equal(a, ar_generate(ar, ps, 15, EOS, use_cache=False, unique=UNIQUE)[0])
+    assert torch.equal(a, ar_generate_nocache(ar, ps, 15, EOS, unique=UNIQUE)[0])
     assert torch.equal(a, diffusion_generate(ar, ps, 15, 1, tau, MASK, EOS, unique=UNIQUE)[0])
     assert torch.equal(a, spec_generate(diff, ar, ps, 15, BS, tau, MASK, EOS, unique=UNIQUE)[0])
     for bs in (3, 4):
         d, n1, t1 = diffusion_generate(diff, ps, 15, bs, tau, MASK, EOS, unique=UNIQUE)
-        e, _, t2 = diffusion_generate(diff, ps, 15, bs, tau, MASK, EOS, use_cache=False, unique=UNIQUE)
+        e, _, t2 = diffusion_generate_nocache(diff, ps, 15, bs, tau, MASK, EOS, unique=UNIQUE)
         assert torch.equal(d, e) and torch.equal(t1, t2)
 
 
@@ -264,10 +266,10 @@ def test_one_of_each_keeps_the_most_confident():
     conf = torch.tensor([[0.5, 0.9, 0.4, 0.9, 1.0]])
     unique = torch.tensor([7, 8])
     # 7 at columns 0, 1, 3: column 1 wins (0.9, leftmost of the tie); 9 is not unique; column 4 is not committed
-    assert dec.one_of_each(commit, pred, conf, unique).tolist() == [[False, True, True, False, False]]
+    assert rules.one_of_each(commit, pred, conf, unique).tolist() == [[False, True, True, False, False]]
 
 
-# --- the answer follows the trace (decode.follow_bans): the toy task of tests/gr2/trace_toy.py ----------------
+# --- the answer follows the trace (gr2/rules.py): the toy task of tests/gr2/trace_toy.py ----------------
 def test_forced_commits_by_hand():
     """Levels 1, 3, 1 (test_answer_slots_by_hand): B is the only level-3 candidate, so the answer's first label is
     committed without the model; A and C tie, so their slots wait for the model until one of them is written."""
@@ -278,7 +280,7 @@ def test_forced_commits_by_hand():
     committed = torch.ones_like(block, dtype=torch.bool)
     committed[0, 8:] = False
     committed[0, [9, 11]] = True  # the commas
-    slots = dec.answer_slots(FOLLOW, block, committed, n)
+    slots = rules.answer_slots(FOLLOW, block, committed, n)
     seen = torch.zeros(1, len(ANSWER_IDS), dtype=torch.bool)
     traj = torch.full_like(block, -1)
     dec.forced_commits(slots, block, committed, seen, ANSWER_IDS, traj, 4)
@@ -306,7 +308,7 @@ def test_rule_bans_equal_ban_repeats_then_keep_slots(seen_case):
     B, C, V = 4, 7, 24
     K = len(ANSWER_IDS)
     active = torch.rand(B, C, generator=g) < 0.5
-    slots = dec.Slots(
+    slots = rules.Slots(
         active,
         torch.rand(B, C, K, generator=g) < 0.3,
         ~active & (torch.rand(B, C, generator=g) < 0.4),
@@ -318,25 +320,25 @@ def test_rule_bans_equal_ban_repeats_then_keep_slots(seen_case):
         "some": torch.rand(B, K, generator=g) < 0.4,
     }[seen_case]
     logits = torch.randn(B, C, V, generator=g)
-    want = logits if seen is None or not seen.any() else dec.ban_repeats(logits, seen[:, None], ANSWER_IDS)
-    want = dec.keep_slots(want, slots, None if seen is None else seen[:, None], ANSWER_IDS)
-    ban = dec.rule_bans(V, seen, slots, ANSWER_IDS)
+    want = logits if seen is None or not seen.any() else rules.ban_repeats(logits, seen[:, None], ANSWER_IDS)
+    want = rules.keep_slots(want, slots, None if seen is None else seen[:, None], ANSWER_IDS)
+    ban = rules.rule_bans(V, seen, slots, ANSWER_IDS)
     got = logits if ban is None else logits.masked_fill(ban, float("-inf"))
     assert torch.equal(got, want)
     assert (got == float("-inf")).any()  # the case bans something (else the comparison proves little)
     # without slots only the repeats are banned, on every position
     if seen is not None and seen.any():
-        only = logits.masked_fill(dec.rule_bans(V, seen, None, ANSWER_IDS), float("-inf"))
-        assert torch.equal(only, dec.ban_repeats(logits, seen[:, None], ANSWER_IDS))
+        only = logits.masked_fill(rules.rule_bans(V, seen, None, ANSWER_IDS), float("-inf"))
+        assert torch.equal(only, rules.ban_repeats(logits, seen[:, None], ANSWER_IDS))
     else:
-        assert dec.rule_bans(V, seen, None, ANSWER_IDS) is None
+        assert rules.rule_bans(V, seen, None, ANSWER_IDS) is None
 
 
 def test_answer_slots_by_hand():
     # 3 candidates, levels 1, 3, 1: the answer's first label must be B (level 3), then A or C, then A or C.
     resp = torch.tensor([[5, 12, 6, 14, 7, 12, 15, 16, 17, 23, 18, 23, 19]])
     everything = torch.ones_like(resp, dtype=torch.bool)
-    slots = dec.answer_slots(FOLLOW, resp, everything, torch.tensor([3]))
+    slots = rules.answer_slots(FOLLOW, resp, everything, torch.tensor([3]))
     assert slots.active[0].nonzero().flatten().tolist() == [8, 10, 12]  # the answer's labels, nothing else
     assert slots.no_label[0].nonzero().flatten().tolist() == [6, 7, 9, 11]  # the head and the commas
     assert slots.allowed[0, 8].tolist() == [False, True, False, False, False, False]
@@ -348,8 +350,10 @@ def test_answer_slots_by_hand():
     # An undecoded trace position, or a trace that is not label-then-level, rules nothing.
     known = everything.clone()
     known[0, 3] = False
-    assert not dec.answer_slots(FOLLOW, resp, known, torch.tensor([3])).active.any()
-    assert dec.answer_slots(FOLLOW, resp, known, torch.tensor([3])).wait[0].nonzero().flatten().tolist() == [
+    assert not rules.answer_slots(FOLLOW, resp, known, torch.tensor([3])).active.any()
+    assert rules.answer_slots(FOLLOW, resp, known, torch.tensor([3])).wait[
+        0
+    ].nonzero().flatten().tolist() == [
         8,
         10,
         12,
@@ -357,15 +361,15 @@ def test_answer_slots_by_hand():
     assert not slots.wait.any()
     bad = resp.clone()
     bad[0, 2] = 7  # C where B belongs
-    assert not dec.answer_slots(FOLLOW, bad, everything, torch.tensor([3])).active.any()
+    assert not rules.answer_slots(FOLLOW, bad, everything, torch.tensor([3])).active.any()
     # At a ruled slot only the allowed labels not yet written stay; a slot with none left is not ruled.
     logits = torch.zeros(1, 3, 24)
-    kept = dec.keep_slots(logits, slots.cols(8, 11), torch.tensor([[[False] * 6]]), ANSWER_IDS)
+    kept = rules.keep_slots(logits, slots.cols(8, 11), torch.tensor([[[False] * 6]]), ANSWER_IDS)
     assert (kept[0, 0] > -1).nonzero().flatten().tolist() == [ANSWER[1]]
     assert (kept[0, 1] > -1).sum() == 24 - 6  # a comma's position: any token but a label
     seen_a_c = torch.tensor([[[True, False, True, False, False, False]]])
-    assert (dec.keep_slots(logits, slots.cols(10, 11), seen_a_c, ANSWER_IDS) > -1).all()
-    assert not dec.answer_slots(FOLLOW, resp[:, :6], everything[:, :6], torch.tensor([3])).no_label.any()
+    assert (rules.keep_slots(logits, slots.cols(10, 11), seen_a_c, ANSWER_IDS) > -1).all()
+    assert not rules.answer_slots(FOLLOW, resp[:, :6], everything[:, :6], torch.tensor([3])).no_label.any()
 
 
 def test_every_decoder_answers_by_the_trace_with_follow(trace_models):
@@ -394,15 +398,16 @@ def test_a_label_waits_for_its_trace():
     trace's open positions commit), in the block's next round it commits under the rule."""
     resp = torch.tensor([[5, 12, 6, 14, 7, 12, 15, 16, 17, 23, 18, 23, 19]])  # the trace ends at column 6
     committed = torch.arange(13)[None, :] < 5
-    slots = dec.answer_slots(FOLLOW, resp, committed, torch.tensor([3]))
+    slots = rules.answer_slots(FOLLOW, resp, committed, torch.tensor([3]))
     canvas = resp.masked_fill(~committed, MASK)
     logits = torch.zeros(1, 13, 24)
     logits[0, torch.arange(13), resp[0]] = 5.0  # every position predicts the response above
-    dec._commit_round(logits, committed, 0.0, None, canvas, None, None, 0, EOS, ANSWER_IDS, None, slots)
+    how, labels = dec.Commit(0.0, eos_id=EOS), rules.Rules(ANSWER_IDS, torch.zeros(1, 6, dtype=torch.bool))
+    dec.commit_round(logits, dec.Block(canvas, committed, slots=slots), how, labels, 0)
     assert committed[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 9, 11]  # not 8, 10, 12
-    slots = dec.answer_slots(FOLLOW, canvas, committed, torch.tensor([3]))
+    slots = rules.answer_slots(FOLLOW, canvas, committed, torch.tensor([3]))
     assert not slots.wait.any() and slots.active[0].nonzero().flatten().tolist() == [8, 10, 12]
-    dec._commit_round(logits, committed, 0.0, None, canvas, None, None, 1, EOS, ANSWER_IDS, None, slots)
+    dec.commit_round(logits, dec.Block(canvas, committed, slots=slots), how, labels, 1)
     assert committed.all() and canvas[0, 8] == ANSWER[1]  # B (level 3) first, as the trace rules
 
 
@@ -424,7 +429,7 @@ def test_follow_keeps_the_equivalences(trace_models, tau, monkeypatch):
     ps = [p for p, _, _ in trace_items(12, 8)]
     kw = {"unique": ANSWER_IDS, "follow": FOLLOW}
     a, _ = ar_generate(ar, ps, 24, EOS, **kw)
-    assert torch.equal(a, ar_generate(ar, ps, 24, EOS, use_cache=False, **kw)[0])
+    assert torch.equal(a, ar_generate_nocache(ar, ps, 24, EOS, **kw)[0])
     assert torch.equal(a, diffusion_generate(ar, ps, 24, 1, tau, MASK, EOS, **kw)[0])
     assert torch.equal(a, spec_generate(diff, ar, ps, 24, BS, tau, MASK, EOS, **kw)[0])
     # Drafting blocks of 8, spec's draft makes forced commits (the toy's trained block of 4 makes none), and its
@@ -436,7 +441,7 @@ def test_follow_keeps_the_equivalences(trace_models, tau, monkeypatch):
     for bs in (3, 4):
         d, _, t1 = diffusion_generate(diff, ps, 24, bs, tau, MASK, EOS, **kw)
         n_cached = sum(forced)
-        e, _, t2 = diffusion_generate(diff, ps, 24, bs, tau, MASK, EOS, use_cache=False, **kw)
+        e, _, t2 = diffusion_generate_nocache(diff, ps, 24, bs, tau, MASK, EOS, **kw)
         assert torch.equal(d, e) and torch.equal(t1, t2)
         assert sum(forced) == 2 * n_cached  # the same forced commits in both loops
         forced.clear()
@@ -447,7 +452,7 @@ def test_follow_keeps_the_equivalences(trace_models, tau, monkeypatch):
     for bs in (3, 4):
         d, _, t1 = diffusion_generate(script, ps, 24, bs, tau, MASK, EOS, **kw)
         n_cached = sum(forced)
-        e, _, t2 = diffusion_generate(script, ps, 24, bs, tau, MASK, EOS, use_cache=False, **kw)
+        e, _, t2 = diffusion_generate_nocache(script, ps, 24, bs, tau, MASK, EOS, **kw)
         assert torch.equal(d, e) and torch.equal(t1, t2)
         assert n_cached > 0 and sum(forced) == 2 * n_cached
         forced.clear()

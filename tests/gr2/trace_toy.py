@@ -1,4 +1,4 @@
-"""A toy of the real response format for the trace rule (gr2/decode.py `follow_bans`): the prompt shows each
+"""A toy of the real response format for the trace rule (gr2/rules.py): the prompt shows each
 candidate's label and its level; the response writes a trace (label, level per candidate), a 2-token head, then the
 labels in a random order, so an unconstrained answer ignores the trace. Its trained models: the `trace_models` fixture (conftest.py)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-import gr2.decode as dec
+from gr2.rules import TraceRule
 from tests.gr2.test_train import BOS, EOS
 
 BS = 4
@@ -17,7 +17,7 @@ LABELS, LEVELS, HEAD, ANSWER, COMMA = (
     list(range(17, 23)),
     23,
 )
-FOLLOW = dec.TraceRule(torch.tensor(LABELS), torch.tensor(LEVELS), head=len(HEAD))
+FOLLOW = TraceRule(torch.tensor(LABELS), torch.tensor(LEVELS), head=len(HEAD))
 ANSWER_IDS = torch.tensor(ANSWER)
 
 

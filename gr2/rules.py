@@ -1,0 +1,285 @@
+"""The rules every decoder applies to its logits: permutation answers and answers that follow their trace.
+
+Permutation answers. `unique` (optional) names tokens that may appear at most once in a response: the answer's
+candidate labels, so that every decoder writes each candidate once. Every decoder applies the same rule: a unique
+token already written is banned from the logits (`ban_repeats`), and a diffusion round that picks one unique
+token at two positions commits only the more confident (`one_of_each`). The decoders' equivalences (gr2/decode.py)
+hold with it.
+
+Answers that follow their trace. `follow` (optional, with `unique`) makes the answer agree with the trace the
+response wrote before it (gr2/prompt.py: one label and one score level per candidate, then the answer's head, then
+labels one token apart). Once a row's whole trace is decoded, the answer's k-th label must be a candidate whose
+level is the k-th highest of the trace (`answer_slots`; nothing else may go there): the answer ranks by the trace,
+and the model itself only orders candidates that share a level. Until then a row's answer labels wait: a parallel
+round commits none of them while a trace position of the row is still open (in a block that holds the trace's end
+and the answer's first labels, a label committed in the trace's last round would be unruled). The trace's open
+positions precede the labels in the same block, so a round always has something to commit. The rule is per
+position, so parallel rounds obey it as AR does, and every equivalence holds with it. A slot the rule leaves a
+single label (`single_label`) needs no model at all: gr2/decode.py's `forced_commits`.
+
+`Rules` is one decoding call's state of both rules (which labels each row holds, where its trace ends, its slots);
+the decoders ask it for the bans of a position and for a block's slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TraceRule:
+    """The tokens `answer_slots` reads (module docstring: answers that follow their trace)."""
+
+    labels: (
+        torch.Tensor
+    )  # [K] the candidates' label tokens [A], [B], ... (prompt and trace); label i answers unique[i]
+    levels: torch.Tensor  # [S] the score-level tokens <score_0>, <score_1>, ...: a level's value is its index
+    head: int  # tokens between the trace and the answer's first label ('{ "ranking" : [')
+
+    def n_candidates(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        """[B]: the candidates of each (padded) prompt [B, P], i.e. its label tokens."""
+        return torch.isin(prompt_ids, self.labels.to(prompt_ids.device)).sum(-1)
+
+
+class Slots(NamedTuple):
+    """The answer's label positions that the trace rules (`answer_slots`)."""
+
+    active: torch.Tensor  # [B, T]: an answer label's position, ruled by its row's decoded, well-formed trace
+    allowed: torch.Tensor  # [B, T, K]: the labels (unique[k]) the trace allows there
+    no_label: (
+        torch.Tensor
+    )  # [B, T]: a position after such a trace where no label belongs (head, commas, tail)
+    wait: torch.Tensor  # [B, T]: an answer label's position whose row's trace is not all decoded yet
+
+    def cols(self, start: int, stop: int | None = None) -> Slots:
+        return Slots(*(t[:, start:stop] for t in self))
+
+    def pad_col(self) -> Slots:
+        """One more column, ruling nothing (a position past the response)."""
+        return Slots(
+            F.pad(self.active, (0, 1)),
+            F.pad(self.allowed, (0, 0, 0, 1)),
+            F.pad(self.no_label, (0, 1)),
+            F.pad(self.wait, (0, 1)),
+        )
+
+
+def answer_slots(rule: TraceRule, resp: torch.Tensor, known: torch.Tensor, n: torch.Tensor) -> Slots:
+    """The positions of response [B, T] where the trace rules the answer (`known`: decoded positions; n [B]:
+    candidates per row). A row whose trace is decoded and well formed (label i then one level, for i < n) rules
+    its answer's k-th label position: only a candidate whose level is the trace's k-th highest may go there; and
+    no label may go anywhere else after the trace (a label written past the answer would take a slot's label).
+    A row whose trace still has an undecoded position makes its answer's label positions wait: a parallel round
+    must not commit a label that the rest of the trace could rule out (module docstring)."""
+    B, T = resp.shape
+    K = len(rule.labels)
+    dev = resp.device
+    active = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    allowed = torch.zeros(B, T, K, dtype=torch.bool, device=dev)
+    if T <= 2 * int(n.min()):  # no row is past its trace
+        return Slots(active, allowed, active.clone(), active.clone())
+    i = torch.arange(K, device=dev)
+    lab_col, lev_col = (2 * i).clamp(max=T - 1), (2 * i + 1).clamp(max=T - 1)
+    is_level = resp[:, lev_col, None] == rule.levels.to(dev)  # [B, K, S]
+    entry_ok = (
+        (resp[:, lab_col] == rule.labels.to(dev))
+        & is_level.any(-1)
+        & known[:, lab_col]
+        & known[:, lev_col]
+        & (2 * i + 1 < T)
+    )
+    cand = i[None, :] < n[:, None]  # [B, K]
+    trace_ok = (entry_ok | ~cand).all(-1)  # [B]
+    level = torch.where(cand, is_level.long().argmax(-1), -1)  # [B, K]; -1: not a candidate of the row
+    slot_level = level.sort(-1, descending=True).values  # [B, K]: the level the answer's k-th label must have
+    slot_col = 2 * n[:, None] + rule.head + 2 * i[None, :]  # [B, K]
+    rows, slots = (trace_ok[:, None] & cand & (slot_col < T)).nonzero(as_tuple=True)
+    cols = slot_col[rows, slots]
+    active[rows, cols] = True
+    allowed[rows, cols] = level[rows] == slot_level[rows, slots, None]
+    past_trace = torch.arange(T, device=dev)[None, :] >= 2 * n[:, None]  # [B, T]
+    trace_known = (known | past_trace).all(-1)  # [B]
+    wait = torch.zeros_like(active)
+    w_rows, w_slots = (~trace_known[:, None] & cand & (slot_col < T)).nonzero(as_tuple=True)
+    wait[w_rows, slot_col[w_rows, w_slots]] = True
+    return Slots(active, allowed, trace_ok[:, None] & past_trace & ~active, wait)
+
+
+def _slot_bans(
+    slots: Slots, seen: torch.Tensor | None, unique: torch.Tensor, vocab: int
+) -> torch.Tensor | None:
+    """`keep_slots`' mask [B, C, vocab] (True = banned), or None when it bans nothing."""
+    allowed = slots.allowed if seen is None else slots.allowed & ~seen
+    rule = slots.active & allowed.any(-1)
+    if not bool(rule.any() or slots.no_label.any()):
+        return None
+    ban = torch.zeros(*allowed.shape[:2], vocab, dtype=torch.bool, device=allowed.device)
+    ban[rule] = True
+    ban[..., unique] = (rule[..., None] & ~allowed) | slots.no_label[..., None]
+    return ban
+
+
+def keep_slots(
+    logits: torch.Tensor, slots: Slots, seen: torch.Tensor | None, unique: torch.Tensor
+) -> torch.Tensor:
+    """logits [B, C, V] with every token but the allowed labels not yet written (seen [B, C or 1, K]) banned at the
+    active slots [B, C], and every label banned at the no-label positions. A slot with no such label left (the
+    answer put one elsewhere before the trace ruled it) is left as it is, so that some token stays possible."""
+    ban = _slot_bans(slots, seen, unique, logits.shape[-1])
+    return logits if ban is None else logits.masked_fill(ban, float("-inf"))
+
+
+def rule_bans(
+    vocab: int, seen: torch.Tensor | None, slots: Slots | None, unique: torch.Tensor
+) -> torch.Tensor | None:
+    """`ban_repeats` then `keep_slots` as one mask [B, C, vocab] (True = banned; seen [B, K]), or None when
+    neither bans anything: what a diffusion round applies to its logits (one masked_fill instead of two)."""
+    ban = None if slots is None else _slot_bans(slots, None if seen is None else seen[:, None], unique, vocab)
+    if seen is None or not bool(seen.any()):  # the trace holds no label: no repeat to ban
+        return ban
+    if ban is None:
+        C = 1 if slots is None else slots.active.shape[1]
+        ban = torch.zeros(seen.shape[0], C, vocab, dtype=torch.bool, device=seen.device)
+    ban[..., unique] |= seen[:, None]
+    return ban
+
+
+def single_label(slots: Slots, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the active slots [B, C] whose trace allows exactly one label not in `seen` [B, C or 1, K], and the labels
+    still allowed [B, C, K]): the positions the rule decides without the model."""
+    allowed = slots.allowed & ~seen
+    return slots.active & (allowed.sum(-1) == 1), allowed
+
+
+def seen_before(tokens: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:
+    """tokens [B, T] -> [B, T + 1, K]: whether unique[k] occurs in tokens[:, :t], for t = 0..T."""
+    hit = (tokens[:, :, None] == unique).long().cumsum(1) > 0
+    return torch.cat([torch.zeros_like(hit[:, :1]), hit], dim=1)
+
+
+def ban_repeats(logits: torch.Tensor, seen: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:
+    """logits [B, C, V] with -inf at every unique token already written: seen [B, C or 1, K] (`seen_before`)."""
+    ban = torch.zeros(*seen.shape[:2], logits.shape[-1], dtype=torch.bool, device=logits.device)
+    ban[..., unique] = seen
+    return logits.masked_fill(ban, float("-inf"))
+
+
+def one_of_each(
+    commit: torch.Tensor, pred: torch.Tensor, conf: torch.Tensor, unique: torch.Tensor
+) -> torch.Tensor:
+    """commit [B, C] less the positions that pick a unique token another committed position of the round picks
+    with more confidence (equal: the leftmost wins). The round's most confident position always stays."""
+    u = commit & torch.isin(pred, unique)
+    same = (pred[:, :, None] == pred[:, None, :]) & u[:, :, None] & u[:, None, :]  # [B, i, j]
+    col = torch.arange(pred.shape[1], device=pred.device)
+    beats = (conf[:, None, :] > conf[:, :, None]) | (
+        (conf[:, None, :] == conf[:, :, None]) & (col[None, None, :] < col[None, :, None])
+    )
+    return commit & ~(same & beats).any(-1)
+
+
+def block_slots(follow: TraceRule, n: torch.Tensor, resp: torch.Tensor, committed: torch.Tensor) -> Slots:
+    """`answer_slots` for the open block, the last committed.shape[1] columns of resp [B, end]: the positions
+    before the block are decoded, the block's are as far as `committed` says."""
+    cl = committed.shape[1]
+    known = torch.cat([torch.ones_like(resp[:, : resp.shape[1] - cl], dtype=torch.bool), committed], dim=1)
+    return answer_slots(follow, resp, known, n).cols(-cl)
+
+
+@dataclass
+class Rules:
+    """Both rules' state for one decoding call of B rows: `start` builds it, the decoders update `seen`."""
+
+    unique: torch.Tensor  # [K] the tokens written at most once per row
+    seen: torch.Tensor  # [B, K]: which of them each row's response holds so far
+    follow: TraceRule | None = None  # the answer follows the trace
+    n: torch.Tensor | None = None  # [B] candidates per row (with `follow`)
+    # The response columns where the shortest and the longest trace end (a label and a level per candidate).
+    # Before the first, `answer_slots` rules nothing; from the second on it reads only decoded trace tokens, so
+    # a decoder reads the slots past it once (`after`) for the rest of the response.
+    first_end: int = 0
+    trace_end: int = 0
+    after: Slots | None = None
+
+    @classmethod
+    def start(
+        cls, unique: torch.Tensor | None, follow: TraceRule | None, prompt_ids: torch.Tensor
+    ) -> Rules | None:
+        """The rules for prompts [B, P] (None without `unique`); `follow` needs `unique`."""
+        if unique is None:
+            if follow is not None:
+                raise ValueError(
+                    "follow (the answer follows the trace) needs unique (the answer's label tokens)"
+                )
+            return None
+        seen = torch.zeros(len(prompt_ids), len(unique), dtype=torch.bool, device=prompt_ids.device)
+        if follow is None:
+            return cls(unique, seen)
+        n = follow.n_candidates(prompt_ids)
+        return cls(unique, seen, follow, n, 2 * int(n.min()), 2 * int(n.max()))
+
+    def slots_after(self, resp: torch.Tensor) -> Slots:
+        """The slots of response [B, T] once every trace is decoded (read once: they do not change)."""
+        assert self.follow is not None and self.n is not None
+        if self.after is None:
+            self.after = answer_slots(self.follow, resp, torch.ones_like(resp, dtype=torch.bool), self.n)
+        return self.after
+
+    def open_slots(self, resp: torch.Tensor, committed: torch.Tensor, s0: int) -> tuple[Slots | None, bool]:
+        """A block's slots as it opens (resp [B, L]: the response; committed [B, cl]: the block's decoded
+        positions from column s0), and whether its commits can change them (then `round_slots` reads them after
+        each round). A block before every trace's end has none; past every trace's end they are fixed."""
+        if self.follow is None or self.n is None:
+            return None, False
+        end = s0 + committed.shape[1]
+        if s0 >= self.trace_end:
+            return self.slots_after(resp).cols(s0, end), False
+        if self.first_end < end:
+            return block_slots(self.follow, self.n, resp[:, :end], committed), True
+        return None, False
+
+    def round_slots(self, resp: torch.Tensor, committed: torch.Tensor, s0: int) -> tuple[Slots | None, bool]:
+        """The block's slots after a round (`open_slots`), and whether later rounds can still change them: until
+        every trace position of the block is decoded."""
+        assert self.follow is not None and self.n is not None
+        end = s0 + committed.shape[1]
+        slots = block_slots(self.follow, self.n, resp[:, :end], committed)
+        in_trace = torch.arange(s0, end, device=resp.device)[None, :] < 2 * self.n[:, None]
+        return slots, not bool((committed | ~in_trace).all())
+
+    def ar_logits(self, logits: torch.Tensor, resp: torch.Tensor, t: int) -> torch.Tensor:
+        """An AR step's logits [B, V] for response position t (resp [B, T]: the decoded tokens up to t), with
+        the repeats banned and the trace's slot kept."""
+        if bool(self.seen.any()):  # nothing to ban before a label
+            logits = ban_repeats(logits[:, None], self.seen[:, None], self.unique)[:, 0]
+        if self.follow is None or self.n is None:
+            return logits
+        if t < self.trace_end:
+            now = resp[:, : t + 1]
+            slots = answer_slots(self.follow, now, torch.ones_like(now, dtype=torch.bool), self.n).cols(-1)
+        else:
+            slots = self.slots_after(resp).cols(t, t + 1)
+        return keep_slots(logits[:, None], slots, self.seen[:, None], self.unique)[:, 0]
+
+    def causal_logits(self, logits: torch.Tensor, resp: torch.Tensor, start: int) -> torch.Tensor:
+        """A causal forward's logits [B, C, V] whose column j predicts response position start + j (resp [B, T]:
+        the tokens before each of them): each column bans what the response holds before its position and keeps
+        what the trace before it allows there (spec's verifier)."""
+        end = start + logits.shape[1] - 1
+        before = seen_before(resp[:, :end], self.unique)[:, start:]
+        logits = ban_repeats(logits, before, self.unique)
+        if self.follow is None or self.n is None:
+            return logits
+        ahead = resp[:, : end + 1]  # + the position the last column predicts, when the response has it
+        slots = answer_slots(self.follow, ahead, torch.ones_like(ahead, dtype=torch.bool), self.n)
+        if ahead.shape[1] == end:  # the response's last block: no position after it
+            slots = slots.pad_col()
+        return keep_slots(logits, slots.cols(start), before, self.unique)
+
+    def recount(self, resp: torch.Tensor) -> None:
+        """`seen` from the tokens of resp [B, T] (after a decoder rewrote some)."""
+        self.seen = (resp[:, :, None] == self.unique).any(1)

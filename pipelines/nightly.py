@@ -253,6 +253,30 @@ def replay(
     events = events[events["timestamp"] <= day_end(nights[-1][0])].reset_index(drop=True)
     rows: list[dict] = []
     t_start = time.perf_counter()
+
+    def write(partial: bool) -> dict[str, Any]:
+        result = {
+            "command": "make nightly",
+            "partial": partial,  # true while nights are still to run
+            "dataset": dataset,
+            "users": users,
+            "offset": offset,
+            "profile": profile,
+            "overrides": overrides,
+            "degraded_overrides": degraded,
+            "shift": {"share": shift_share, "items": shift_items},
+            "machine": machine(),
+            "git": git_sha(),
+            "total_seconds": round(time.perf_counter() - t_start, 1),
+            "nights": rows,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        result = repo_relative(result)
+        Path(f"{out}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        plot_nightly(rows, f"{out}.png")
+        Path(f"{out}.md").write_text(markdown(result, Path(f"{out}.png").name))
+        return result
+
     with local_s3() as endpoint:
         env = {
             "AWS_ACCESS_KEY_ID": "nightly",
@@ -305,32 +329,14 @@ def replay(
                     write_partitions(tonight, uri, client)  # the upstream's re-export, before the next night
                     row["objects_rewritten_since"] = objects_changed(uri, objects, client)
                 prev = date
+                write(k < len(nights))  # after every night: a replay stopped midway keeps its nights
         finally:
             for key, value in saved.items():
                 if value is None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-    result = {
-        "command": "make nightly",
-        "dataset": dataset,
-        "users": users,
-        "offset": offset,
-        "profile": profile,
-        "overrides": overrides,
-        "degraded_overrides": degraded,
-        "shift": {"share": shift_share, "items": shift_items},
-        "machine": machine(),
-        "git": git_sha(),
-        "total_seconds": round(time.perf_counter() - t_start, 1),
-        "nights": rows,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = repo_relative(result)
-    Path(f"{out}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    plot_nightly(rows, f"{out}.png")
-    Path(f"{out}.md").write_text(markdown(result, Path(f"{out}.png").name))
-    return result
+    return write(False)
 
 
 def _data_docs_screenshot(run_dir: Path, out: Path) -> str:
@@ -380,7 +386,12 @@ def markdown(result: dict[str, Any], plot: str) -> str:
         "",
         f"`{result['command']}`: {result['dataset']}, first {result['users']} users, profile `{result['profile']}` "
         f"with {result['overrides']}; git `{result['git']}`; {result['machine']}; "
-        f"{len(nights)} nights in {result['total_seconds'] / 60:.1f} min.",
+        f"{len(nights)} nights in {result['total_seconds'] / 60:.1f} min."
+        + (
+            " **Partial: written after night %d, the replay still running.**" % len(nights)
+            if result["partial"]
+            else ""
+        ),
         "",
         f"![timeline]({plot})",
         "",

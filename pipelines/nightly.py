@@ -388,7 +388,7 @@ def markdown(result: dict[str, Any], plot: str) -> str:
         f"with {result['overrides']}; git `{result['git']}`; {result['machine']}; "
         f"{len(nights)} nights in {result['total_seconds'] / 60:.1f} min."
         + (
-            " **Partial: written after night %d, the replay still running.**" % len(nights)
+            f" **Partial: written after night {len(nights)}, the replay still running.**"
             if result["partial"]
             else ""
         ),

@@ -73,9 +73,9 @@ lint: install ## ruff check + format check + mypy (the package code: [tool.mypy]
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
-	@# pylint's duplicate-code check (R0801) as its standalone tool: 6 or more equal lines in two places fail
-	@out=$$(.venv/bin/symilar -d 6 $$(git ls-files 'gr2/*.py' 'serving/*.py')); echo "$$out" | tail -1; \
-	  echo "$$out" | grep -q 'duplicates=0 ' || { echo "$$out"; exit 1; }
+	@# duplicate code within and across files, every package + tests + scripts (codeclone); allowances in
+	@# scripts/duplicates-allowed.txt, at most 10, each with its reason
+	$(PY) scripts/check_duplicates.py
 
 format: install ## apply ruff fixes and formatting
 	.venv/bin/ruff check --fix .

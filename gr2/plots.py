@@ -11,6 +11,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def save(fig, path: str | Path, dpi: int = 110) -> Path:
+    """Lay out, write and close a figure (every plot of the project ends here)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return Path(path)
+
+
 def plot_frontier(report: dict, path: str | Path) -> Path:
     """recall@1 against decode tokens/s (batch 1) for every decoder row, the floor as a horizontal line."""
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -32,10 +40,7 @@ def plot_frontier(report: dict, path: str | Path) -> Path:
     ax.set_xlabel("decode tokens/s (batch 1)")
     ax.set_ylabel("recall@1 (test)")
     ax.set_title(f"quality vs speed — {report.get('dataset', '')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return save(fig, path)
 
 
 def plot_training_curves(
@@ -59,10 +64,7 @@ def plot_training_curves(
         ax.set_xlabel("step")
         ax.set_ylabel(k)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return save(fig, path)
 
 
 def plot_nightly(nights: list[dict], path: str | Path) -> Path:
@@ -107,7 +109,4 @@ def plot_nightly(nights: list[dict], path: str | Path) -> Path:
     ax.set_ylabel("recall@1 on the night's test lists")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.set_title("Nightly runs: champion against challenger", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return save(fig, path)

@@ -239,10 +239,7 @@ def truncate_log(path: Path, upto_step: int) -> list[dict[str, Any]]:
 
 def plot_loss(log_path: str | Path, png_path: str | Path, title: str = "training loss") -> Path:
     """Loss curve (raw + moving average) from a train_log.jsonl."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from gr2.plots import plt, save
 
     rows = [json.loads(x) for x in Path(log_path).read_text().splitlines() if x.strip()]
     steps = np.array([r["step"] for r in rows])
@@ -256,10 +253,7 @@ def plot_loss(log_path: str | Path, png_path: str | Path, title: str = "training
     ax.set_ylabel("loss")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return Path(png_path)
+    return save(fig, png_path, dpi=100)
 
 
 def train(

@@ -10,13 +10,16 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from components._lib import sources
 from components._lib.paths import REPO_ROOT
+
+if TYPE_CHECKING:
+    from components._lib.validation import ValidationReport
 from gr2.config import Profile, load_profile
 from gr2.data.dataset import Dataset, load_dataset, resolve_dataset
 
@@ -155,10 +158,7 @@ def validate(
     report = validate_tables(
         ds.interactions, ds.items, table, n_candidates, Bounds(**(bounds or {})), prof.data.eval_positions
     )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    report.write(out / "validation.json", out / "validation.md", out / DATA_DOCS)
-    return report
+    return write_validation(report, out_dir)
 
 
 def write_json(obj: Any, path: str | Path) -> None:
@@ -285,6 +285,14 @@ def evaluate_floor(
     return report
 
 
+def write_validation(report: ValidationReport, out_dir: str | Path) -> ValidationReport:
+    """validation.json, validation.md and the Data Docs page of a validation report, in `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report.write(out / "validation.json", out / "validation.md", out / DATA_DOCS)
+    return report
+
+
 def validate_dataset(
     dataset: str, out_dir: str | Path, profile: str | Profile = "quick", bounds: dict[str, int] | None = None
 ):
@@ -302,7 +310,4 @@ def validate_dataset(
     report = validate_tables(
         inter, ds.items, targets, None, Bounds(**(bounds or {})), prof.data.eval_positions
     )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    report.write(out / "validation.json", out / "validation.md", out / DATA_DOCS)
-    return report
+    return write_validation(report, out_dir)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from gr2.files import sha256_file
+from gr2.files import publish_folder, sha256_file
 
 RECBOLE_VERSION = "1.2.1"
 WHEEL_NAME = f"recbole-{RECBOLE_VERSION}-py3-none-any.whl"
@@ -110,7 +110,4 @@ def fetch_ml100k(cache_dir: str | os.PathLike = ".cache") -> Path:
         "source": f"pypi recbole=={RECBOLE_VERSION} {_MEMBER}.inter/.item",
         "source_sha256": WHEEL_SHA256,
     }
-    (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+    return publish_folder(tmp, target, stats)

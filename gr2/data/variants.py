@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from gr2.data.dataset import data_root
+from gr2.files import publish_folder
 
 SEED = 0
 REPEAT_SHARE = 0.2  # `repeats`: probability that an interaction is followed by a re-consumption
@@ -202,10 +202,7 @@ def build_variant(
         "items": len(items),
         "interactions": len(tables.interactions),
     }
-    (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    return publish_folder(tmp, out, stats)
 
 
 def main(argv: list[str] | None = None) -> int:

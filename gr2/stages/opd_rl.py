@@ -255,10 +255,7 @@ def _run(model, batches_fn, fn, cfg: TrainConfig, out: Path) -> TrainResult:
 
 def plot_curves(train_dir: str | Path) -> Path | None:
     """curves.png: loss, and reward / validity (RL) or KL (OPD) per step from the rollout log."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from gr2.plots import plt, save
 
     path = Path(train_dir) / ROLLOUT_LOG
     if not path.exists():
@@ -273,11 +270,7 @@ def plot_curves(train_dir: str | Path) -> Path | None:
         ax.plot(steps, [r[k] for r in rows], lw=1)
         ax.set_title(k)
         ax.set_xlabel("step")
-    fig.tight_layout()
-    png = Path(train_dir) / "curves.png"
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    return save(fig, Path(train_dir) / "curves.png", dpi=100)
 
 
 def _summary(res: TrainResult, out: Path) -> dict:

@@ -20,7 +20,7 @@ from gr2.decode_reference import ar_generate_nocache, diffusion_generate_nocache
 from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
 from gr2.model import convert_to_diffusion
 from gr2.train import BucketedBatches, train
-from tests.gr2.test_train import EOS, MASK, PAD, toy_items, toy_model
+from tests.gr2.toys import EOS, MASK, PAD, toy_items, toy_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BS = 4

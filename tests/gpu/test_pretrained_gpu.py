@@ -21,7 +21,7 @@ from gr2.model import build_backbone, convert_to_diffusion
 from gr2.tokenizer import build_tokenizer
 from gr2.train import BucketedBatches, train
 from tests.gr2.test_backbone import pretrained  # noqa: F401 (the fixture)
-from tests.gr2.test_train import EOS, MASK, PAD, toy_items
+from tests.gr2.toys import EOS, MASK, PAD, toy_items
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPU = load_profile("gpu")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gr2.test_train import toy_sft_and_cft
+from tests.gr2.toys import toy_sft_and_cft
 from tests.gr2.trace_toy import BS, trace_items
 
 

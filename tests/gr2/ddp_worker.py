@@ -20,7 +20,7 @@ from gr2.config import TrainConfig
 from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
 from gr2.model import convert_to_diffusion
 from gr2.train import BucketedBatches, train
-from tests.gr2.test_train import EOS, MASK, PAD, toy_items, toy_model
+from tests.gr2.toys import EOS, MASK, PAD, toy_items, toy_model
 
 SFT_STEPS, CFT_STEPS, KILL_STEP = 6, 6, 3
 SFT_CFG = TrainConfig(

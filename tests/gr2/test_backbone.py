@@ -25,7 +25,7 @@ from gr2.opd import make_opd_batch, opd_loss
 from gr2.rl import grpo_loss, rollout_batch, sample_diffusion
 from gr2.tokenizer import build_tokenizer
 from gr2.train import BucketedBatches, train
-from tests.gr2.test_train import EOS, MASK, PAD, toy_items
+from tests.gr2.toys import EOS, MASK, PAD, toy_items
 
 BS = 4
 FAMILIES = {

@@ -9,7 +9,7 @@ import gr2.rules as rules
 from gr2.decode import ar_generate, diffusion_generate, select_commits, spec_generate
 from gr2.decode_reference import ar_generate_nocache, diffusion_generate_nocache
 from gr2.model import convert_to_diffusion
-from tests.gr2.test_train import EOS, MASK, toy_items, toy_model, toy_sft_and_cft
+from tests.gr2.toys import EOS, MASK, toy_items, toy_model, toy_sft_and_cft
 from tests.gr2.trace_toy import ANSWER, ANSWER_IDS, FOLLOW, Scripted, follows, trace_items
 
 BS = 4

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from gr2.losses import ar_batch_loss
 from gr2.train import latest_checkpoint, train
 from tests.gr2.ddp_worker import CFT_CFG, KILL_STEP, SFT_CFG, cft_setup, sft_batches
-from tests.gr2.test_train import toy_model
+from tests.gr2.toys import toy_model
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,9 +8,10 @@ import pytest
 
 from gr2.candidates import attach_candidates, cut_lists
 from gr2.config import EvidenceConfig
-from gr2.data import build_targets, data_root, load_dataset, train_sequences
+from gr2.data import build_targets, train_sequences
 from gr2.evidence import FEATURE_NAMES, Evidence, title_tokens
 from gr2.retriever import CoocRetriever
+from tests.gr2.toys import real_slice
 
 CFG = EvidenceConfig(top_k=10, window=2, recent=2, decay=0.5)
 TRAIN = {"u1": ["a", "b", "c", "d"], "u2": ["b", "c", "e"], "u3": ["c", "e"], "u4": ["b", "d"]}
@@ -112,9 +113,7 @@ def test_buckets():
 
 
 def test_features_on_real_slice_train_matches_test_distribution():
-    ds = load_dataset(data_root() / "ml-latest-small")
-    users = sorted(ds.interactions["user_id"].unique())[:80]
-    ds.interactions = ds.interactions[ds.interactions["user_id"].isin(users)].reset_index(drop=True)
+    ds = real_slice(80)
     tr = train_sequences(ds)
     ex, _ = attach_candidates(build_targets(ds, 20), CoocRetriever().fit(tr, ds.items["item_id"]), 10)
     ev = Evidence.fit(tr, ds.items)

@@ -6,7 +6,7 @@ import torch
 from gr2.model import convert_to_diffusion
 from gr2.opd import kl_per_token, make_opd_batch, opd_loss, sequence_mean, teacher_logprobs
 from tests.gr2.test_rl import peaky_model, prompts
-from tests.gr2.test_train import EOS, MASK
+from tests.gr2.toys import EOS, MASK
 
 BS = 4
 

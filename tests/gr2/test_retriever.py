@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from gr2.config import RetrieverConfig
-from gr2.data import build_targets, data_root, load_dataset, train_sequences
+from gr2.data import build_targets, train_sequences
 from gr2.retriever import CoocRetriever
+from tests.gr2.toys import real_slice
 
 CFG = RetrieverConfig(window=2, recent=2, decay=0.5)
 TRAIN = {"u1": ["a", "b", "c", "d"], "u2": ["b", "c", "e"], "u3": ["c", "e"], "u4": ["g"]}
@@ -86,9 +87,7 @@ def _reference(r: CoocRetriever, hist, n, own, exclude, train_pop):
 
 
 def test_batch_matches_reference_on_real_slice():
-    ds = load_dataset(data_root() / "ml-latest-small")
-    users = sorted(ds.interactions["user_id"].unique())[:60]
-    ds.interactions = ds.interactions[ds.interactions["user_id"].isin(users)].reset_index(drop=True)
+    ds = real_slice(60)
     tr = train_sequences(ds)
     r = CoocRetriever(RetrieverConfig(window=3, recent=5, decay=0.7)).fit(tr, ds.items["item_id"])
     t = build_targets(ds, 20)

@@ -20,7 +20,7 @@ from gr2.rl import (
     token_logprobs,
 )
 from gr2.stages.opd_rl import prompts_for_step, rl_config
-from tests.gr2.test_train import EOS, MASK, toy_items, toy_model
+from tests.gr2.toys import EOS, MASK, toy_items, toy_model
 from tests.gr2.trace_toy import ANSWER_IDS, FOLLOW, follows, trace_items
 
 BS = 4

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from gr2.rules import TraceRule
-from tests.gr2.test_train import BOS, EOS
+from tests.gr2.toys import BOS, EOS
 
 BS = 4
 LABELS, LEVELS, HEAD, ANSWER, COMMA = (

@@ -52,6 +52,10 @@ FAULTS = ("corrupted", "degraded", "shifted")
 # slice stays below the GBDT: 0.46 against 0.50 in the calibration). The production rule, the one under test, keeps
 # its tolerance (0.005) and its paired CI; the floor, validity and data rules are as in quick.
 SLICE_OVERRIDES = {
+    # Whole lists only: the slice's settings were calibrated before short lists entered training, and with a
+    # quarter of the lists cut the AR teacher did not leave the retriever order within 500 steps (night 1 at
+    # 2c76438: ar = floor 0.211, gate held). Short lists are the serving tests' subject, not the replay's.
+    "data.short_list_share": 0.0,
     "data.eval_positions": 1,
     "data.max_train_examples": 1000,
     "retriever.window": 3,

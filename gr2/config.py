@@ -108,6 +108,8 @@ class TrainConfig:
 class DiffusionConfig:
     block_size: int = 8
     taus: tuple[float, ...] = (1.0, 0.9, 0.6, 0.4)
+    # The operating tau: the gate judges the student there, its bundle records it and serving decodes at it by
+    # default. 0.9 is the papers' parity point; every default tau in the code is this one (profiles set their own).
     eval_tau: float = 0.9
     # The spec decoder's draft threshold. spec's output is AR's whatever the draft (gr2/decode.py spec_generate), so
     # this only trades draft forwards against verifier forwards: chosen on validation speed (docs/RESULTS.md,
@@ -221,7 +223,9 @@ class OPDConfig:
     prompts_per_step: int = 8  # 128 in the paper
     direction: str = "reverse"  # "reverse": KL(student || teacher) | "forward": KL(teacher || student)
     temperature: float = 1.0  # rollout sampling temperature (on-policy: 1.0)
-    tau: float = 0.9  # commit threshold of the rollout decoder
+    tau: float = (
+        DiffusionConfig.eval_tau
+    )  # commit threshold of the rollout decoder (the operating tau's default)
     max_prompts: int = 2000  # training lists the prompts are drawn from (0 = all)
     lr: float = 5e-5  # constant; the paper's 8B value (docs/PAPER.md, OPD) scaled up for the tiny CPU models
     steps: int = 30
@@ -242,7 +246,7 @@ class RLConfig:
     clip_eps: float = 0.2  # epsilon_low
     clip_eps_high: float = 0.2  # epsilon_high (> clip_eps = DAPO clip-higher, e.g. 0.28)
     temperature: float = 1.0  # rollout sampling temperature (group diversity)
-    tau: float = 0.9  # commit threshold of the diffusion rollout decoder
+    tau: float = DiffusionConfig.eval_tau  # commit threshold of the diffusion rollout decoder (likewise)
     max_prompts: int = 2000  # training lists the prompts are drawn from (0 = all)
     # Show each RL prompt's candidates in a seeded random order (each keeps its own evidence, retriever_rank
     # included; the reward still measures promotion against the retriever order). In retriever order, letter A

@@ -154,7 +154,7 @@ class GenerativeReranker:
         return item_id in self.sids.codes
 
     def rank(
-        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float = 0.9
+        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float = DiffusionConfig.eval_tau
     ) -> list[RankResult]:
         """Rankings of lists of any lengths 2..N in one call (the decoder pads prompts; evidence pads lists). A
         request without one known history id goes to the cold-start ranker when the bundle has one."""
@@ -254,7 +254,7 @@ class GenerativeReranker:
         self,
         prompts: list[list[int]],
         decoder: str = "diffusion",
-        tau: float = 0.9,
+        tau: float = DiffusionConfig.eval_tau,
         batch_size: int | None = None,
     ) -> Decoded:
         """Decode prompts in batches of `batch_size`; decoder "ar", "diffusion" (needs block_size > 0) or "spec"

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from gr2.config import DiffusionConfig
+
 CONFIG_FILE = "reranker.json"  # the one file every model directory has; `kind` selects the loader
 ITEMS_FILE = "items.txt"  # the item catalogue, one id per line (what `known_item` answers from)
 VERIFIER_DIR = (
@@ -55,7 +57,7 @@ class Reranker(Protocol):
     def known_item(self, item_id: str) -> bool: ...
 
     def rank(
-        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float = 0.9
+        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float = DiffusionConfig.eval_tau
     ) -> list[RankResult]: ...
 
 
@@ -135,7 +137,7 @@ class FloorReranker:
         return self.items is None or item_id in self.items
 
     def rank(
-        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float = 0.9
+        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float = DiffusionConfig.eval_tau
     ) -> list[RankResult]:
         # decoder and tau are accepted for interface compatibility; the floor does not decode.
         return [

@@ -33,6 +33,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from gr2.config import DiffusionConfig
 from gr2.decode import ar_generate, diffusion_generate, pad_prompts, threshold_commits
 from gr2.losses import Batch, certainty_entropy, diffusion_logits, sample_masks
 from gr2.model import block_causal_mask, decoder_and_head, position_ids_for
@@ -211,7 +212,7 @@ def sample(
     block_size: int,
     eos_id: int,
     mask_id: int | None = None,
-    tau: float = 0.9,
+    tau: float = DiffusionConfig.eval_tau,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     unique: torch.Tensor | None = None,

@@ -79,7 +79,9 @@ class ServeConfig:
     idle_timeout_s: int = 65
     decoders: tuple[str, ...] = DECODERS
     default_decoder: str = "diffusion"
-    default_tau: float = 0.9  # a diffusion model whose bundle names its operating tau serves at that instead
+    default_tau: float = (
+        DiffusionConfig.eval_tau
+    )  # a diffusion model whose bundle names its operating tau serves at that instead
     default_spec_tau: float = DiffusionConfig.spec_tau  # spec's draft tau; likewise the bundle's spec_tau
     min_tau: float = 0.05  # tau bounds: below this the diffusion decoder degenerates to one token per step
     max_tau: float = 1.0

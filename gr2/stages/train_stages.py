@@ -102,7 +102,7 @@ def convert(
     block_size: int,
     out_dir: str | Path,
     name: str = "naive",
-    tau: float = 0.9,
+    tau: float = DiffusionConfig.eval_tau,
     spec_tau: float = DiffusionConfig.spec_tau,
 ) -> Path:
     """Naive conversion (docs/PAPER.md, Conversion): copy every AR weight unchanged; only block size and mask token

@@ -5,6 +5,7 @@ a lazy import still ties the two packages together."""
 from __future__ import annotations
 
 import ast
+import re
 from functools import cache
 from pathlib import Path
 
@@ -75,3 +76,13 @@ def test_a_cycle_is_found_and_named():
     looped = {**chain, "gr2": {"pipelines": ["g.py"]}}
     cycle = find_cycle(looped)
     assert cycle is not None and cycle[0] == cycle[-1] and set(cycle) == {"gr2", "components", "pipelines"}
+
+
+def test_the_dataflow_map_shows_these_imports():
+    """docs/DATAFLOW.md's "Where the code lives" map: each package's row names exactly the packages it imports."""
+    text = (ROOT / "docs" / "DATAFLOW.md").read_text()
+    rows = re.findall(r"^(\w+)/ .*─▶ (.*)$", text, flags=re.M)
+    drawn = {name: set(re.findall(r"\w+", targets)) - {"none", "of", "ours"} for name, targets in rows}
+    graph = package_graph()
+    assert drawn == {p: set(graph[p]) for p in drawn}, "docs/DATAFLOW.md's map disagrees with the imports"
+    assert set(drawn) == set(PACKAGES) - {"manifests"}, "every package of ours but manifests/ has a row"

@@ -16,11 +16,11 @@ evaluation step, so A and B match their rows of report.json on the test split.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
+from analysis.output import print_json
 from analysis.speed_check import find_bundles
 from components._lib.paths import repo_relative
 from gr2.metrics import evaluate
@@ -90,11 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     res = compare(Path(args.run).resolve(), args.a, args.b, args.split, args.tau)
-    text = json.dumps(res, indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    print_json(res, args.out)
     return res
 
 

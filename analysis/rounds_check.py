@@ -16,13 +16,13 @@ decoder could skip, which the AR baseline of the speed table does not.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from analysis.output import print_json
 from analysis.speed_check import find_bundles
 from gr2.decode import diffusion_generate, pad_prompts
 from gr2.generative import GenerativeReranker
@@ -135,10 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         tau = args.tau or profile.diffusion.eval_tau
         out = {"run": run.name, "model": args.model, "tau": tau, "split": args.split}
         out |= rounds(model, prompts, tau)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_json(out, args.out)
     return out
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from analysis.output import print_json
 from analysis.speed_check import find_bundles
 from gr2.stages.evaluate import load
 from pipelines.run_local import run_examples, run_profile
@@ -99,11 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     res = check(Path(args.run).resolve(), args.draft, args.split, args.tau, args.limit)
-    text = json.dumps(res, indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    print_json(res, args.out)
     return res
 
 

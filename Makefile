@@ -98,7 +98,7 @@ serve: install ## serve the newest run's model on 127.0.0.1:8080 (predictor + Fe
 
 loadtest: install ## AR vs diffusion load test over HTTP on 127.0.0.1 -> benchmarks/serving.json/.md
 	@test -n "$(MODEL)" || { echo "no model: run 'make run' first or pass MODEL=<bundle dir>"; exit 2; }
-	$(PY) -m serving.loadtest --model_uri $(MODEL) $(if $(AR_MODEL),--ar_model_uri $(AR_MODEL)) $(if $(EXAMPLES),--examples $(EXAMPLES)) --out benchmarks/serving
+	$(PY) -m deploy.loadtest --model_uri $(MODEL) $(if $(AR_MODEL),--ar_model_uri $(AR_MODEL)) $(if $(EXAMPLES),--examples $(EXAMPLES)) --out benchmarks/serving
 
 # Images: <registry>/gr2, gr2-train-gpu, gr2-serve, tagged with the git sha (what `make compile` names).
 TAG ?= $(shell git rev-parse --short HEAD)

@@ -1,4 +1,4 @@
-"""KFP component: automated canary analysis after the deploy step started the canary (serving/canary.py).
+"""KFP component: automated canary analysis after the deploy step started the canary (deploy/canary.py).
 It moves the canary's traffic through the profile's steps (`canary.steps`, e.g. 10 -> 50 -> 100 %), compares
 canary and stable at every step on error rate, p99 latency, validity and fallback rate (Prometheus, the
 predictor's serving/metrics.py series) and on ranking agreement over a probe set of recent requests (the

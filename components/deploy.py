@@ -1,4 +1,4 @@
-"""KFP component: start the gated model's canary (serving/rollout.py): upload to the artifact store, render the
+"""KFP component: start the gated model's canary (deploy/rollout.py): upload to the artifact store, render the
 overlay with the real kustomize (kubectl, in the image) with the model's storage URI and a canary percentage,
 then either stop there (dry_run: manifests + plan.json only) or server-side apply every object, wait,
 smoke-test the `latest-` tag URL, and leave the canary running (output "canary") or roll it back. Place it

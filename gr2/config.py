@@ -275,7 +275,7 @@ class RLConfig:
 
 @dataclass(frozen=True)
 class CanaryConfig:
-    """Automated canary analysis (serving/canary.py): traffic steps and the canary-vs-stable thresholds."""
+    """Automated canary analysis (deploy/canary.py): traffic steps and the canary-vs-stable thresholds."""
 
     steps: tuple[int, ...] = (10, 50, 100)  # canaryTrafficPercent per step, increasing; then promote
     step_seconds: float = 300.0  # live traffic observed per step, after the probes

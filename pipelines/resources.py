@@ -3,25 +3,18 @@
 Training steps submit Kubeflow Trainer TrainJobs (`train_task`). GPU steps (decoding) land on the GPU node pool:
 accelerator limit, node selector, the nvidia.com/gpu toleration, resource requests and retries with backoff. The
 pool's label and taint are defined once, in the kustomize component that puts the serving predictor there
-(manifests/components/gpu-pool/gpu-pool.yaml); TrainJobs use the same. Every task gets the artifact-store
-credentials from a Kubernetes Secret as environment variables (never from pipeline parameters)."""
+(manifests/components/gpu-pool/gpu-pool.yaml, read by components/_lib/gpu_pool.py); TrainJobs use the same.
+Every task gets the artifact-store credentials from a Kubernetes Secret as environment variables (never from
+pipeline parameters)."""
 
 import os
-from pathlib import Path
 
-import yaml
 from kfp import kubernetes
 
+from components._lib.gpu_pool import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TOLERATION
 from components._lib.trainjob import MOUNT as TRAIN_MOUNT
 from components._lib.trainjob import PVC as TRAIN_PVC
 
-_POOL = yaml.safe_load(
-    (
-        Path(__file__).resolve().parents[1] / "manifests" / "components" / "gpu-pool" / "gpu-pool.yaml"
-    ).read_text()
-)["spec"]["predictor"]
-[(GPU_POOL_LABEL, GPU_POOL_VALUE)] = _POOL["nodeSelector"].items()
-[GPU_TOLERATION] = _POOL["tolerations"]  # {key, operator, effect}
 GPU_TYPE = os.environ.get("GR2_GPU_TYPE", "nvidia.com/gpu")
 S3_SECRET = os.environ.get("GR2_S3_SECRET", "gr2-s3-credentials")
 S3_SECRET_KEYS = {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"}

@@ -45,7 +45,7 @@ def _latest(pattern: str, root: Path) -> Path | None:
 def _serve_smoke(root: Path, report: dict, run_dir: Path) -> dict | None:
     """Serve the DAG's deployable model (the bundle named like the gate's candidate, default the RL student)
     with the run's online store; the gate's verdict says whether a cluster would have received it."""
-    from serving.smoke_local import smoke
+    from deploy.smoke_local import smoke
 
     decision = _latest("**/decision/decision.json", root)
     want = json.loads(decision.read_text())["candidate"].split("@")[0] if decision else "rl"
@@ -117,7 +117,7 @@ def run_local(
     every step reads that file.
 
     serve_smoke: then serve the deployable model on 127.0.0.1 behind the Feast transformer and send it real
-    requests (serving/smoke_local.py); the summary goes into the report as `serving_smoke`.
+    requests (deploy/smoke_local.py); the summary goes into the report as `serving_smoke`.
 
     runner: "subprocess" (this venv) or "docker" (the compiled pipeline's images, see the module docstring)."""
     from kfp import local

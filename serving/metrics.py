@@ -13,7 +13,7 @@ annotation has Knative's queue-proxy merge them into what Prometheus scrapes).
 | `gr2_cold_start_rankings_total` | counter | decoder | of those, rankings the cold-start ranker made (a user without known history; the decoder asked for) |
 
 Every series is created at import for the known label values, so a rate over a window that starts before the
-first request still counts the first increment. The canary analysis (serving/canary.py) queries these names.
+first request still counts the first increment. The canary analysis (deploy/canary.py) queries these names.
 """
 
 from __future__ import annotations

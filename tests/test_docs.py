@@ -19,7 +19,7 @@ SECTION_REF = re.compile(
     r"\b(RESULTS|OPERATIONS)\.md(?:\]\([^)]*\))?,\s*((?:['\"][^'\"]+['\"](?:\s*(?:,|and)\s*)?)+)"
 )
 # Where code and config point at documentation.
-SOURCES = ["gr2", "components", "pipelines", "serving", "manifests", "profiles", "docs", "images", "tests"]
+SOURCES = "gr2 components pipelines analysis serving deploy manifests profiles docs images tests".split()
 
 
 def slug(heading: str) -> str:

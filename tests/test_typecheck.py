@@ -1,4 +1,4 @@
-"""The type checker: mypy is clean on the package code (gr2/, components/, pipelines/, serving/).
+"""The type checker: mypy is clean on the package code (gr2/, components/, pipelines/, analysis/, serving/, deploy/).
 
 The configuration is [tool.mypy] in pyproject.toml; `make lint` runs the same check. mypy caches its analysis
 under .cache/mypy, so only a cold run (a fresh clone) reads torch's and transformers' own annotations."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("gr2", "components", "pipelines", "serving")
+PACKAGES = ("gr2", "components", "pipelines", "analysis", "serving", "deploy")
 
 
 @pytest.mark.slow

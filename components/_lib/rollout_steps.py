@@ -1,8 +1,8 @@
 """The rollout steps as plain functions over folders (called by the KFP components deploy / canary_analysis and
 by the CLI `gr2 deploy` / `gr2 canary-analysis`): one implementation per step.
 
-deploy:           gated model bundle + the gate's decision folder -> the canary plan (serving/rollout.py)
-canary_analysis:  the deploy plan + the run's examples -> promote or roll back (serving/canary.py)
+deploy:           gated model bundle + the gate's decision folder -> the canary plan (deploy/rollout.py)
+canary_analysis:  the deploy plan + the run's examples -> promote or roll back (deploy/canary.py)
 
 `store`: where the artifact store lives, as `open_store`'s keyword arguments (bucket, prefix, endpoint_url,
 local_root); empty values mean the defaults (the environment, else the local store).
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from components._lib.paths import REPO_ROOT
 
 if TYPE_CHECKING:
-    from serving.rollout import Plan
+    from deploy.rollout import Plan
 
 
 def _open_store(store: dict[str, str] | None):
@@ -41,11 +41,11 @@ def deploy(
     examples_path: str | Path | None = None,
 ) -> Plan:
     """Upload the gated model, render the overlay and (unless dry_run) start its canary. Returns the
-    `serving.rollout` plan (`outcome`, `storage_uri`, ...). The smoke test asks `smoke_instance`, or else the
+    `deploy.rollout` plan (`outcome`, `storage_uri`, ...). The smoke test asks `smoke_instance`, or else the
     newest test list of `examples_path`; the decision's report row becomes the production record."""
+    from deploy.rollout import rollout
     from gr2.gate import find_row, read_report
     from gr2.generative import bundle_dir
-    from serving.rollout import rollout
 
     dec = json.loads((Path(decision_dir) / "decision.json").read_text())
     if not dec["passed"]:
@@ -68,7 +68,7 @@ def deploy(
             raise ValueError(
                 "deploy needs smoke_instance_json or examples unless dry_run: one request to ask"
             )
-        from serving.canary import probe_set
+        from deploy.canary import probe_set
 
         smoke = probe_set(examples_path, 1)[0]
     return rollout(
@@ -99,8 +99,8 @@ def canary_analysis(
 ) -> dict[str, Any]:
     """Move the canary through the profile's traffic steps, judge it against stable at each, then promote
     (writing the production pointer) or roll back. Returns the analysis report (`outcome`, `steps`)."""
+    from deploy.canary import analyze, probe_set
     from gr2.config import load_profile
-    from serving.canary import analyze, probe_set
 
     cfg = load_profile(profile).canary
     return analyze(

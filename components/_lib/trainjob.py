@@ -150,7 +150,7 @@ def trainjob_request(
     )
 
     from components._image import TRAIN_IMAGE
-    from pipelines.resources import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TOLERATION
+    from components._lib.gpu_pool import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TOLERATION
 
     trainer = CustomTrainer(
         func=trainjob_entry,

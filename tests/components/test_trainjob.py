@@ -22,7 +22,7 @@ from kubernetes import client as k8s
 
 from components._image import TRAIN_IMAGE
 from components._lib import trainjob
-from pipelines.resources import GPU_POOL_LABEL, GPU_POOL_VALUE
+from components._lib.gpu_pool import GPU_POOL_LABEL, GPU_POOL_VALUE
 
 GROUP = "/apis/trainer.kubeflow.org/v1alpha1"
 # The torch-distributed ClusterTrainingRuntime as Kubeflow Trainer installs it (trimmed to what the SDK reads).

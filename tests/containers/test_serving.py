@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deploy.smoke_local import instances, probe, v2_body
 from manifests.kustomize import build
 from pipelines.containers import engine
-from serving.smoke_local import instances, probe, v2_body
 from tests.containers.kube import run_spec
 from tests.containers.support import bundle_named, run_output
 

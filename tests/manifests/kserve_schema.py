@@ -24,7 +24,8 @@ import jsonschema
 import kserve.models
 import kubernetes_validate
 
-from pipelines.resources import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TOLERATION, GPU_TYPE
+from components._lib.gpu_pool import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TOLERATION
+from pipelines.resources import GPU_TYPE
 
 K8S_VERSION = "1.36.0"
 K8S_DEFS = (

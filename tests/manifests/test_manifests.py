@@ -15,8 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from components._lib.gpu_pool import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TOLERATION
 from manifests.kustomize import KUBECTL, KustomizeError, build, pinned
-from pipelines.resources import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TOLERATION
 from tests.manifests.kserve_schema import K8S_DEFS, errors, kserve_schema
 
 ROOT = Path(__file__).resolve().parents[2] / "manifests"

@@ -14,8 +14,9 @@ import pytest
 import yaml
 
 from components._image import BASE_IMAGE, TAG, TRAIN_IMAGE
+from components._lib.gpu_pool import GPU_POOL_LABEL, GPU_POOL_VALUE
 from pipelines.pipeline import PIPELINE_NAME, compile_pipeline, mutable_images
-from pipelines.resources import GPU_POOL_LABEL, GPU_POOL_VALUE, GPU_TYPE, S3_SECRET, TRAIN_MOUNT, TRAIN_PVC
+from pipelines.resources import GPU_TYPE, S3_SECRET, TRAIN_MOUNT, TRAIN_PVC
 
 # Training steps submit Kubeflow Trainer TrainJobs (the GPUs are the job's: tests/components/test_trainjob.py);
 # the decoding step runs on the GPU pool itself.

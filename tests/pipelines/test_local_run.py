@@ -13,12 +13,12 @@ import json
 import pandas as pd
 import pytest
 
+from analysis.compare_models import main as compare_models
+from analysis.rounds_check import main as rounds_check
+from analysis.speed_check import main as speed_check
 from gr2.data import data_root
 from gr2.data.variants import VARIANTS, build_variant
-from pipelines.compare_models import main as compare_models
-from pipelines.rounds_check import main as rounds_check
 from pipelines.run_local import run_local, run_profile
-from pipelines.speed_check import main as speed_check
 from tests.components.slices import SLICE_BOUNDS, SLICE_USERS, require_slice
 from tests.pipelines.test_variants_dag import check_variant_report
 
@@ -111,7 +111,7 @@ def test_local_run_writes_report(tmp_path):
     assert sorted(p.stem for p in cards.glob("*.md")) == sorted(names)
     assert "block diffusion, block_size 4" in (cards / "rl.md").read_text()
     assert "(model_cards/rl.md)" in (tmp_path / "smoke" / "report.md").read_text()
-    # The speed re-measurement for another device (pipelines/speed_check.py) reads the same run.
+    # The speed re-measurement for another device (analysis/speed_check.py) reads the same run.
     speed_check(
         [
             "--run",
@@ -130,7 +130,7 @@ def test_local_run_writes_report(tmp_path):
     ]
     assert all(s["tokens_per_s"] > 0 for s in sp["speed"])
     assert [s["speedup_vs_ar"] for s in sp["speed"] if s["model"] == "ar"] == [1.0, 1.0]
-    # Where the student's rounds go (pipelines/rounds_check.py): on the speed rows' lists it counts the same
+    # Where the student's rounds go (analysis/rounds_check.py): on the speed rows' lists it counts the same
     # tokens per forward as the speed table.
     prof = run_profile(tmp_path / "smoke")
     rc = rounds_check(
@@ -142,7 +142,7 @@ def test_local_run_writes_report(tmp_path):
         rc["tokens_per_forward"] * rc["forwards_per_list"] * rc["lists"]
     )
     assert all(r >= 1 for r in rc["rounds_per_block"].values())  # (the smoke model writes no real trace)
-    # The paired comparison (pipelines/compare_models.py) decodes as the evaluation did: its A and B are the
+    # The paired comparison (analysis/compare_models.py) decodes as the evaluation did: its A and B are the
     # report's rows, and the delta is their difference.
     rows = {(r["model"], r["tau"]): r for r in rep["rows"]}
     cmp = compare_models(

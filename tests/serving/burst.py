@@ -29,11 +29,11 @@ from pathlib import Path
 import httpx
 import pandas as pd
 
+from deploy.loadtest import percentile
 from gr2.inference import read_config
 from gr2.report import git_sha
-from serving.loadtest import percentile
 from serving.serve_local import running
-from tests.serving.conftest import MODEL
+from tests.serving.support import MODEL
 from tests.serving.test_robustness import V1, V2, hostile
 
 TAUS = (None, 0.4, 0.6, 0.9, 1.0)  # None: the model's own default

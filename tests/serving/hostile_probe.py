@@ -37,7 +37,8 @@ import psutil
 
 from serving.schema import ServeConfig
 from serving.serve_local import running
-from tests.serving.conftest import MODEL, build_feast_repo, load_ml_slice, raw_http
+from tests.serving.conftest import build_feast_repo
+from tests.serving.support import MODEL, load_ml_slice, raw_http
 from tests.serving.test_robustness import V1, hostile
 from tests.serving.toy_model import train_toy_bundle
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from serving.schema import ServeConfig
-from tests.serving.conftest import MODEL
+from tests.serving.support import MODEL
 
 GOOD_USER = "1"
 

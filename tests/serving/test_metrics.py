@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gr2.inference import RankResult
 from serving.predictor import RerankPredictor
 from serving.schema import BadRequest, ServeConfig
-from tests.serving.conftest import MODEL
+from tests.serving.support import MODEL
 
 
 class StubReranker:

@@ -1,6 +1,6 @@
 """Hostile-but-fair clients and partial failures (issue 18), over real HTTP on 127.0.0.1.
 
-- The session predictor and transformer (tests/serving/conftest.py): model control off, every hostile body a
+- The session predictor and transformer (tests/serving/support.py, tests/serving/conftest.py): model control off, every hostile body a
   4xx naming the field, keep-alive connections surviving a 1,000-level JSON, one log line per rejection.
 - `edge`: a transformer whose predictor and Feast feature server are stand-ins in this process, so a test can
   freeze them, break them or take them down: 502 / 503 / 504, readiness, slow bodies, model control on.
@@ -23,12 +23,12 @@ import psutil
 import pytest
 
 from components.artifact_store import ArtifactStore, LocalBackend
-from serving.rollout import Plan, promote, rollout
+from deploy.rollout import Plan, promote, rollout
 from serving.schema import ServeConfig
-from serving.serve_local import free_port, wait_ready
+from serving.serve_local import free_port, stop, wait_ready
 from serving.transformer import FeastTransformer, TransformerConfig
-from tests.serving.conftest import MODEL, log_since, raw_http, spawn, start, stop
-from tests.serving.test_rollout import OVERLAY, FakeKube
+from tests.deploy.fake_kube import OVERLAY, FakeKube
+from tests.serving.support import MODEL, log_since, raw_http, spawn, start
 
 JSON = {"content-type": "application/json"}
 V1 = f"/v1/models/{MODEL}:predict"
@@ -500,7 +500,7 @@ def test_serve_local_stopped_while_its_predictor_loads_takes_the_child_down(mode
 
 def test_rollout_promotes_the_attempt_it_smoke_tested(model_dir, tmp_path):
     """The canary serves one upload; a re-upload of the same run and stage meanwhile is not what gets promoted
-    (serving/rollout.py `promote`, which the canary analysis calls)."""
+    (deploy/rollout.py `promote`, which the canary analysis calls)."""
     store = ArtifactStore(LocalBackend(tmp_path / "store"))
     other = tmp_path / "other"
     other.mkdir()

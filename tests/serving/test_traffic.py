@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serving.schema import ServeConfig
-from tests.serving.conftest import log_since, raw_http
+from tests.serving.support import log_since, raw_http
 from tests.serving.test_robustness import V1, V2
 
 CFG = ServeConfig()

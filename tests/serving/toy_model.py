@@ -1,6 +1,6 @@
 """A real generative bundle for the serving tests and the hostile probe (serving tests serve a trained model, not a
 stand-in): the pipeline's own stages (prepare -> AR SFT -> conversion -> CFT) on the ml-latest-small slice whose
-users and items the serving fixtures' Feast repo holds (tests/serving/conftest.py), with a tiny model and few
+users and items the serving fixtures' Feast repo holds (tests/serving/support.py), with a tiny model and few
 steps (about 30 s on 2 idle cores). Its bundle carries the AR model as its verifier (as OPD's does), so every
 decoder serves, and the cold-start ranker. It is trained on every list length 2..10, as the pipeline's models
 are, but a 14k-parameter model on 600 lists does not rank every length validly (10 candidates: mostly valid):
@@ -82,7 +82,7 @@ def train_toy_bundle(out: str | Path, users: set[str]) -> Path:
 
 
 def main() -> None:
-    from tests.serving.conftest import load_ml_slice
+    from tests.serving.support import load_ml_slice
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)

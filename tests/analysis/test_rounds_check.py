@@ -1,9 +1,9 @@
-"""pipelines/rounds_check.py `forced_tokens`: the answer tokens the trace rule leaves one choice (what a
+"""analysis/rounds_check.py `forced_tokens`: the answer tokens the trace rule leaves one choice (what a
 jump-forward AR decoder could skip)."""
 
 import torch
 
-from pipelines.rounds_check import forced_tokens
+from analysis.rounds_check import forced_tokens
 from tests.gr2.trace_toy import ANSWER_IDS, FOLLOW
 
 

@@ -5,7 +5,7 @@ bundles on another device, with the same code (`gr2.stages.evaluate.speed_table`
 AR for the `ar` teacher, every tau of the profile for each diffusion bundle, and `spec` (--spec drafting at the
 profile's spec_tau, `ar` verifying), at batch 1 and the serving batch.
 
-    python -m pipelines.speed_check --run runs/latest --device cuda --out benchmarks/speed_cuda
+    python -m analysis.speed_check --run runs/latest --device cuda --out benchmarks/speed_cuda
 
 writes <out>.json (command, machine, device, run, `speed` rows as in report.json) and <out>.md.
 """
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = speed_table(models, plans, test, ev, warmup=True)
     out = {
-        "command": "python -m pipelines.speed_check " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m analysis.speed_check " + " ".join(argv if argv is not None else sys.argv[1:]),
         "git_sha": git_sha(),
         "machine": machine_info(),
         "device": args.device,

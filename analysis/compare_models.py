@@ -4,7 +4,7 @@ The stage table gives each model's CI on its own; whether two close rows really 
 (the same lists resampled for both). This uses the report's machinery (`gr2.metrics.evaluate`, the same seed and
 bootstrap samples as the profile), with B in the place of the floor:
 
-    python -m pipelines.compare_models --run runs/latest --a ar --b ar_sft --split test
+    python -m analysis.compare_models --run runs/latest --a ar --b ar_sft --split test
 
 prints (and with --out writes) JSON: the split, n lists, per metric A, B, A - B and its 95% CI, and `top1`: where
 the two top-1 choices differ, split by whether the held-out item was the upstream (retriever) order's first, and
@@ -16,16 +16,16 @@ evaluation step, so A and B match their rows of report.json on the test split.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
+from analysis.output import print_json
+from analysis.speed_check import find_bundles
 from components._lib.paths import repo_relative
 from gr2.metrics import evaluate
 from gr2.stages.evaluate import load, rankings
 from pipelines.run_local import run_examples, run_profile
-from pipelines.speed_check import find_bundles
 
 
 def top1_breakdown(
@@ -90,11 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     res = compare(Path(args.run).resolve(), args.a, args.b, args.split, args.tau)
-    text = json.dumps(res, indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    print_json(res, args.out)
     return res
 
 

@@ -1,6 +1,6 @@
 """Load test (a benchmark, not a test): concurrent HTTP clients against the re-ranking server, per decoder.
 
-    python -m serving.loadtest --model_uri <diffusion bundle> --ar_model_uri <AR teacher bundle> \
+    python -m deploy.loadtest --model_uri <diffusion bundle> --ar_model_uri <AR teacher bundle> \
         --decoders ar diffusion spec --concurrency 1 2 4 8 --requests 200 --out benchmarks/serving
 starts one predictor per decoder on 127.0.0.1 (the AR rows decode the AR teacher; or use --url for a running server /
 the transformer), lets the decoders alternate in --turns turns at each concurrency level (side by side), sends v1 requests
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rows.append(row)
     rows.sort(key=lambda r: a.decoders.index(r["decoder"]))  # stable: per decoder, in concurrency order
     report = {
-        "command": "python -m serving.loadtest " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m deploy.loadtest " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, python {platform.python_version()}",
         "git_sha": git_sha(short=True),
         "rows": rows,

@@ -11,6 +11,8 @@ here: no cluster, no kind/minikube). It serves the REST routes KserveKube calls,
 - GET, and an InferenceService status playing the KServe controller: Ready, with the predictor's traffic split
   between the `prev` and `latest` revisions per canaryTrafficPercent (tag URLs and revision names given);
 - every request recorded with its method, path, content type, query and body.
+
+`FakeKube` is the in-memory stand-in: it records applied documents and reports a Ready InferenceService.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import re
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -259,3 +262,36 @@ class FakeApi:
 
     def isvc(self, namespace: str = "gr2", name: str = "gr2-reranker") -> dict:
         return self.get(namespace, "inferenceservices", name)
+
+
+OVERLAY = Path(__file__).resolve().parents[2] / "manifests" / "overlays" / "prod"
+
+
+class FakeKube:
+    """Records applied documents; reports the InferenceService Ready with a latest-tag URL."""
+
+    def __init__(self, latest_url: str | None):
+        self.applied: list[dict] = []
+        self.latest_url = latest_url
+
+    def apply(self, doc):
+        self.applied.append(json.loads(json.dumps(doc)))
+        return doc
+
+    def get(self, name, namespace):
+        isvcs = [d for d in self.applied if d["kind"] == "InferenceService"]
+        if not isvcs or self.latest_url is None:
+            return {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}
+        return {
+            "status": {
+                "conditions": [{"type": "Ready", "status": "True"}],
+                "components": {
+                    "predictor": {
+                        "traffic": [
+                            {"tag": "prev", "url": "http://prev"},
+                            {"tag": "latest", "url": self.latest_url},
+                        ]
+                    }
+                },
+            }
+        }

@@ -6,7 +6,7 @@ bundle's own rules) and reads the trajectory `diffusion_generate` returns: each 
 of token (trace label, score level, answer label, JSON punctuation, eos) the share committed after its block's
 first round.
 
-    python -m pipelines.rounds_check --run runs/latest --model rl --tau 0.9 --split val --lists 100
+    python -m analysis.rounds_check --run runs/latest --model rl --tau 0.9 --split val --lists 100
 
 prints the summary as JSON (and writes it with --out). For an AR bundle (`--model ar`) it counts instead the
 response tokens that the trace rule leaves a single label (`forced_tokens`): the forwards a jump-forward AR
@@ -16,19 +16,19 @@ decoder could skip, which the AR baseline of the speed table does not.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from analysis.output import print_json
+from analysis.speed_check import find_bundles
 from gr2.decode import diffusion_generate, pad_prompts
 from gr2.generative import GenerativeReranker
 from gr2.rules import TraceRule, answer_slots, seen_before, single_label
 from gr2.stages.evaluate import load
 from pipelines.run_local import run_examples, run_profile
-from pipelines.speed_check import find_bundles
 
 
 def token_kind(token: str) -> str:
@@ -135,10 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         tau = args.tau or profile.diffusion.eval_tau
         out = {"run": run.name, "model": args.model, "tau": tau, "split": args.split}
         out |= rounds(model, prompts, tau)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_json(out, args.out)
     return out
 
 

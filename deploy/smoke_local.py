@@ -1,6 +1,6 @@
 """The end of `make run`: serve the run's model on 127.0.0.1 and send it real requests through the transformer.
 
-    python -m serving.smoke_local --model_uri <bundle> --feast_repo <feature_store dir> --examples <parquet>
+    python -m deploy.smoke_local --model_uri <bundle> --feast_repo <feature_store dir> --examples <parquet>
 
 Starts `serving.serve_local` (the Feast transformer in front of the predictor, both on loopback ports), sends
 test users' candidate lists over v1 (as retrieved, then reversed: does the ranking follow the model or the

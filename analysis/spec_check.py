@@ -5,7 +5,7 @@ model `ar` keeps only what its own greedy decoding would write. This decodes a s
 lists, as the evaluation does) with `ar` and with `spec` (the --draft student drafting at --tau, `ar` verifying),
 in the evaluation's batches, and compares every response token for token:
 
-    python -m pipelines.spec_check --run runs/latest --draft rl --split test
+    python -m analysis.spec_check --run runs/latest --draft rl --split test
 
 prints (and with --out writes) JSON: lists, identical, and for the first mismatches the list, the first differing
 position, both tokens and `ar`'s logit margin (top-1 minus top-2) there. A mismatch with a margin near 1e-6 is a
@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
+from analysis.output import print_json
+from analysis.speed_check import find_bundles
 from gr2.stages.evaluate import load
 from pipelines.run_local import run_examples, run_profile
-from pipelines.speed_check import find_bundles
 
 
 @torch.no_grad()
@@ -71,7 +72,7 @@ def check(
         )
     tokens = sum(len(r) for r in a.responses)
     return {
-        "command": "python -m pipelines.spec_check " + " ".join(sys.argv[1:]),
+        "command": "python -m analysis.spec_check " + " ".join(sys.argv[1:]),
         "run": {k: report.get(k) for k in ("run_id", "dataset", "profile", "git_sha")},
         "draft": draft,
         "split": split,
@@ -99,11 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     res = check(Path(args.run).resolve(), args.draft, args.split, args.tau, args.limit)
-    text = json.dumps(res, indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    print_json(res, args.out)
     return res
 
 

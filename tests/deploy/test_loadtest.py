@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from serving.loadtest import main, percentile
+from deploy.loadtest import main, percentile
 
 
 def test_percentile_nearest_rank():

@@ -1,8 +1,8 @@
-"""Automated canary analysis (serving/canary.py) against a REAL Prometheus (Debian's `prometheus`, started here
+"""Automated canary analysis (deploy/canary.py) against a REAL Prometheus (Debian's `prometheus`, started here
 on 127.0.0.1 with a temporary config) scraping two real predictor revisions on 127.0.0.1, stable and canary
-(tests/serving/canary_server.py, both serving the floor model: `floor_dir` says why; the canary's fault is switched
+(tests/deploy/canary_server.py, both serving the floor model: `floor_dir` says why; the canary's fault is switched
 per scenario), with the fake Kubernetes API
-(tests/serving/fake_kube.py) playing KServe. A healthy canary walks 10 -> 50 -> 100 % and is promoted, the production pointer written; a
+(tests/deploy/fake_kube.py) playing KServe. A healthy canary walks 10 -> 50 -> 100 % and is promoted, the production pointer written; a
 canary that errors, is slow or gives invalid rankings is rolled back at the first step, the pointer left alone.
 
 The faults are deterministic and far from the thresholds (every request fails; 3 s per call, whose p99 falls in
@@ -25,13 +25,13 @@ from kubernetes import client
 from kubernetes.config import kube_config
 
 from components.artifact_store import ArtifactStore, LocalBackend
+from deploy.canary import REVISION_LABEL, agreement, analyze, check_steps, judge, probe_failures, probe_set
+from deploy.rollout import FIELD_MANAGER, KserveKube, rollout
 from gr2.config import CanaryConfig
 from gr2.inference import FloorReranker
-from serving.canary import REVISION_LABEL, agreement, analyze, check_steps, judge, probe_failures, probe_set
-from serving.rollout import FIELD_MANAGER, KserveKube, rollout
 from serving.serve_local import start_server, stop
-from tests.serving.conftest import MODEL, ROOT
-from tests.serving.fake_kube import APPLY, FakeApi
+from tests.deploy.fake_kube import APPLY, FakeApi
+from tests.serving.support import MODEL, ROOT
 
 OVERLAY = ROOT / "manifests" / "overlays" / "prod"
 SCRAPE_S = 1.0
@@ -65,7 +65,7 @@ def revisions(floor_dir, tmp_path_factory):
             fault_file.write_text("none")
             proc, port = start_server(
                 lambda port, fault_file=fault_file: (
-                    [sys.executable, "-m", "tests.serving.canary_server", "--model_dir", str(floor_dir)]
+                    [sys.executable, "-m", "tests.deploy.canary_server", "--model_dir", str(floor_dir)]
                     + ["--port", str(port), "--fault_file", str(fault_file)]
                 ),
                 lambda port: f"http://127.0.0.1:{port}/v1/models/{MODEL}",

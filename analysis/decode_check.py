@@ -8,8 +8,8 @@ pairs them). It decodes through `GenerativeReranker.decode`, the evaluation's pa
 forward: no row ever sits a round out). Per decoder and batch it records a sha256 over all responses' tokens,
 the nfe and verifier nfe totals and the token count:
 
-    python -m pipelines.decode_check --run runs/latest --out build/decode_before.json
-    python -m pipelines.decode_check --run runs/latest --out build/decode_after.json \\
+    python -m analysis.decode_check --run runs/latest --out build/decode_before.json
+    python -m analysis.decode_check --run runs/latest --out build/decode_after.json \\
         --compare build/decode_before.json --report benchmarks/decode_equivalence
 
 writes --out (JSON). With --compare (the digests of another commit) it also writes the comparison, per decoder
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
+from analysis.speed_check import run_bundles
 from gr2.generative import GenerativeReranker
 from gr2.report import git_sha, machine_info
 from gr2.stages.evaluate import load
 from pipelines.run_local import run_examples, run_profile
-from pipelines.speed_check import run_bundles
 
 DRAFTS = ("rl", "opd", "cft")  # spec's draft: the final student, as gr2/stages/evaluate.py picks it
 
@@ -90,7 +90,7 @@ def check(run: Path, split: str, batch1_lists: int, limit: int = 0) -> dict:
         }
         print(key, json.dumps(decoders[key]), flush=True)
     return {
-        "command": "python -m pipelines.decode_check " + " ".join(sys.argv[1:]),
+        "command": "python -m analysis.decode_check " + " ".join(sys.argv[1:]),
         "git_sha": git_sha(),
         "machine": machine_info(),
         "run": {k: report.get(k) for k in ("run_id", "dataset", "profile", "git_sha")},

@@ -11,40 +11,9 @@ import pytest
 import yaml
 
 from components.artifact_store import ArtifactStore, LocalBackend
+from deploy.rollout import rollout, set_rollout, smoke_test
 from manifests.kustomize import build
-from serving.rollout import rollout, set_rollout, smoke_test
-
-OVERLAY = Path(__file__).resolve().parents[2] / "manifests" / "overlays" / "prod"
-
-
-class FakeKube:
-    """Records applied documents; reports the InferenceService Ready with a latest-tag URL."""
-
-    def __init__(self, latest_url: str | None):
-        self.applied: list[dict] = []
-        self.latest_url = latest_url
-
-    def apply(self, doc):
-        self.applied.append(json.loads(json.dumps(doc)))
-        return doc
-
-    def get(self, name, namespace):
-        isvcs = [d for d in self.applied if d["kind"] == "InferenceService"]
-        if not isvcs or self.latest_url is None:
-            return {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}
-        return {
-            "status": {
-                "conditions": [{"type": "Ready", "status": "True"}],
-                "components": {
-                    "predictor": {
-                        "traffic": [
-                            {"tag": "prev", "url": "http://prev"},
-                            {"tag": "latest", "url": self.latest_url},
-                        ]
-                    }
-                },
-            }
-        }
+from tests.deploy.fake_kube import OVERLAY, FakeKube
 
 
 def test_dry_run_writes_manifests_and_plan_without_promoting(model_dir, tmp_path):

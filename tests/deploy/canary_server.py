@@ -8,7 +8,7 @@ wrapped so that it decodes 8 tokens in 2 forwards (tokens per forward 4) and, pe
     slow     sleeps SLOW_S seconds per call, then answers (far above any latency threshold of the tests)
     invalid  marks every answer invalid (the fallback: the upstream order)
 
-    python -m tests.serving.canary_server --model_dir DIR --port PORT --fault_file FILE
+    python -m tests.deploy.canary_server --model_dir DIR --port PORT --fault_file FILE
 """
 
 from __future__ import annotations

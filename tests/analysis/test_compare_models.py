@@ -1,9 +1,9 @@
-"""pipelines/compare_models.py: the top-1 breakdown on hand-made rankings (the paired CIs are tested end to end in
+"""analysis/compare_models.py: the top-1 breakdown on hand-made rankings (the paired CIs are tested end to end in
 test_local_run.py)."""
 
 import pytest
 
-from pipelines.compare_models import top1_breakdown
+from analysis.compare_models import top1_breakdown
 
 
 def test_top1_breakdown_splits_wins_by_whether_the_label_was_upstream_first():

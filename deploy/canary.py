@@ -1,4 +1,4 @@
-"""Automated canary analysis: after the deploy step started the canary (serving/rollout.py, outcome "canary"),
+"""Automated canary analysis: after the deploy step started the canary (deploy/rollout.py, outcome "canary"),
 move its traffic through the profile's steps (`canary.steps`, e.g. 10 -> 50 -> 100 %), compare the canary
 revision with the stable one at every step, and decide alone: roll back at the first step that fails, or
 promote after the last one (then, and only then, the production pointer is written).
@@ -31,8 +31,7 @@ from typing import Any
 
 import httpx
 
-from gr2.config import CanaryConfig
-from serving.rollout import (
+from deploy.rollout import (
     ISVC_KIND,
     KserveKube,
     Kube,
@@ -43,6 +42,7 @@ from serving.rollout import (
     set_traffic,
     wait_latest_ready,
 )
+from gr2.config import CanaryConfig
 
 REVISION_LABEL = "serving_knative_dev_revision"
 # The predictor's metric names (serving/metrics.py; not imported: this runs where kserve is not installed).

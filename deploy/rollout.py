@@ -5,7 +5,7 @@
     object -> wait until the latest revision is ready -> smoke-test it through its `latest-` tag URL
     -> the canary runs (outcome "canary"), or is rolled back at once (canary 0) when the smoke test fails.
 
-The canary-analysis step (serving/canary.py) then moves traffic in steps and calls `promote` or `roll_back`.
+The canary-analysis step (deploy/canary.py) then moves traffic in steps and calls `promote` or `roll_back`.
 
 Every action is appended to a plan written as plan.json next to the rendered manifests (canary, promote and
 rollback variants, for a person to apply by hand too). With `dry_run=True` nothing touches a cluster: the plan

@@ -1,5 +1,5 @@
 """KserveKube (the real kubernetes-client code path of the rollout) against the fake Kubernetes API server of
-tests/serving/fake_kube.py: every object server-side applied by field manager gr2, redeploys idempotent, a
+tests/deploy/fake_kube.py: every object server-side applied by field manager gr2, redeploys idempotent, a
 changed ConfigMap updated, promote removing the canary field, and conflicts with another manager reported."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import yaml
 from kubernetes import client
 
 from components.artifact_store import ArtifactStore, LocalBackend
-from serving.rollout import (
+from deploy.rollout import (
     FIELD_MANAGER,
     ApplyConflict,
     KserveKube,
@@ -22,7 +22,7 @@ from serving.rollout import (
     rollout,
     smoke_test,
 )
-from tests.serving.fake_kube import APPLY, FakeApi
+from tests.deploy.fake_kube import APPLY, FakeApi
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 KINDS = {"serviceaccounts", "roles", "rolebindings", "configmaps", "inferenceservices"}

@@ -73,6 +73,10 @@ SLICE_OVERRIDES = {
     "gate.min_speedup": 0.0,
     "gate.max_gap_to_ar": 0.1,
     "gate.max_gap_to_ltr": 0.1,
+    # 500 CFT steps on this slice give a student of validity 0.95 (night 1 at c89d7e1: held on validity alone, R@1
+    # +0.068 over the floor); the replay checks the nightly mechanics, so the slice's validity bar is 0.9 like its
+    # other margins, and the degraded night (5 CFT steps) still falls far below it and below the champion.
+    "gate.min_validity": 0.9,
 }
 DEFAULT_NIGHTS = (
     "2014-06-15,2014-06-20,2014-06-25:corrupted,2014-06-30:degraded,2014-07-05,2014-07-10:shifted"

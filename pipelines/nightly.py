@@ -26,8 +26,10 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -246,6 +248,7 @@ def replay(
     offset: int = 0,
     bounds_json: str = "{}",
     seed: int = 0,
+    command: str = "make nightly",
 ) -> dict[str, Any]:
     from components.artifact_store import open_store, s3_client
     from gr2.plots import plot_nightly
@@ -264,7 +267,7 @@ def replay(
 
     def write(partial: bool) -> dict[str, Any]:
         result = {
-            "command": "make nightly",
+            "command": command,
             "partial": partial,  # true while nights are still to run
             "dataset": dataset,
             "users": users,
@@ -487,13 +490,14 @@ def main(argv: list[str] | None = None) -> dict:
         action="append",
         default=None,
         metavar="KEY=VALUE",
-        help="the degraded night's extra override: its training budget cut (default cft.max_steps=5)",
+        help="the degraded night's extra override: its training budget cut (default sft.max_steps=5: 5 CFT steps did not degrade, benchmarks/nightly.md)",
     )
     ap.add_argument("--shift-share", type=float, default=0.3)
     ap.add_argument("--bounds-json", default="{}")
     ap.add_argument("--runs-dir", default=str(REPO_ROOT / "runs" / "nightly"))
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "nightly"))
-    a = ap.parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    a = ap.parse_args(args)
 
     def kv(items: list[str]) -> dict:
         import yaml
@@ -508,12 +512,13 @@ def main(argv: list[str] | None = None) -> dict:
         parse_nights(a.nights),
         a.profile,
         {**SLICE_OVERRIDES, **kv(a.set)},
-        kv(a.degrade or ["cft.max_steps=5"]),
+        kv(a.degrade or ["sft.max_steps=5"]),
         runs,
         Path(a.out),
         a.shift_share,
         bounds_json=a.bounds_json,
         offset=a.offset,
+        command=shlex.join(["python", "-m", "pipelines.nightly", *args]) if args else "make nightly",
     )
 
 

@@ -40,3 +40,16 @@ def examples_slice(root: Path, profile: str = "quick") -> tuple[Path, Path]:
     targets.to_parquet(root / "targets.parquet", index=False)
     steps.candidates(src, root / "targets.parquet", root / "examples.parquet", profile)
     return src, root / "examples.parquet"
+
+
+def malformed_slice(out: Path) -> Path:
+    """`out` holding users 1 and 2 of the slice with user 1's seq_idx going down (its rows 3 and 4 swapped): data the
+    loader refuses at ingest, naming file, line and column."""
+    import pandas as pd
+
+    inter = pd.read_csv(require_slice() / "interactions.tsv", sep="\t", dtype=str, keep_default_na=False)
+    inter = inter[inter["user_id"].isin(["1", "2"])].reset_index(drop=True)
+    inter.loc[[3, 4], "seq_idx"] = inter.loc[[4, 3], "seq_idx"].to_numpy()
+    out.mkdir()
+    inter.to_csv(out / "interactions.tsv", sep="\t", index=False)
+    return out

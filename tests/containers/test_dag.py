@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 
-import pandas as pd
 import pytest
 import yaml
 
 from pipelines.pipeline import compile_pipeline
 from pipelines.run_local import run_local
-from tests.components.slices import require_slice
+from tests.components.slices import malformed_slice
 from tests.containers.support import executed_images, executed_tasks, run_output
 
 pytestmark = pytest.mark.slow
@@ -99,12 +98,7 @@ def test_steps_wrote_as_the_images_user(dag):
 def test_a_step_failing_in_its_container_fails_the_run(images, docker_client, tmp_path, capfd):
     """Malformed data fails ingest inside the data image, and the run stops there, as on the cluster (kfp.local's
     own Docker handler read an auto-removed container's exit as success: pipelines/containers.py run_container)."""
-    inter = pd.read_csv(require_slice() / "interactions.tsv", sep="\t", dtype=str, keep_default_na=False)
-    inter = inter[inter["user_id"].isin(["1", "2"])].reset_index(drop=True)
-    inter.loc[[3, 4], "seq_idx"] = inter.loc[[4, 3], "seq_idx"].to_numpy()  # user 1's rows 3 and 4 swapped
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    inter.to_csv(bad / "interactions.tsv", sep="\t", index=False)
+    bad = malformed_slice(tmp_path / "bad")  # user 1's seq_idx goes down
     with pytest.raises(RuntimeError, match=r"Inner task failed: .*ingest"):
         run_local(str(bad), "smoke", tmp_path, "bad", "2026-01-01", serve_smoke=False, runner="docker")
     assert "seq_idx 3 of user '1' comes after" in "".join(capfd.readouterr())

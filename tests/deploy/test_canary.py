@@ -25,7 +25,16 @@ from kubernetes import client
 from kubernetes.config import kube_config
 
 from components.artifact_store import ArtifactStore, LocalBackend
-from deploy.canary import REVISION_LABEL, agreement, analyze, check_steps, judge, probe_failures, probe_set
+from deploy.canary import (
+    REVISION_LABEL,
+    Prometheus,
+    agreement,
+    analyze,
+    check_steps,
+    judge,
+    probe_failures,
+    probe_set,
+)
 from deploy.rollout import FIELD_MANAGER, KserveKube, rollout
 from gr2.config import CanaryConfig
 from gr2.inference import FloorReranker
@@ -167,6 +176,12 @@ def start_canary(api, model_dir, tmp_path) -> ArtifactStore:
 
 
 def run(fault, revisions, prometheus, examples, model_dir, tmp_path):
+    # The scenarios share the two revisions, and a step's window reaches back to the last scrape before it: wait
+    # for a scrape of both after the previous scenario's requests, so none of them counts in this one (a slow
+    # scenario's last answers showed up as the next one's p99).
+    t = time.time()
+    for rev in (STABLE, CANARY):
+        assert Prometheus(prometheus).scraped_since(f'{REVISION_LABEL}="{rev}"', t, 30), rev
     revisions["fault_file"].write_text(fault)
     api = FakeApi(traffic={"prev": revisions["stable"], "latest": revisions["canary"]})
     store = start_canary(api, model_dir, tmp_path)

@@ -19,7 +19,7 @@ from analysis.speed_check import main as speed_check
 from gr2.data import data_root
 from gr2.data.variants import VARIANTS, build_variant
 from pipelines.run_local import run_local, run_profile
-from tests.components.slices import SLICE_BOUNDS, SLICE_USERS, require_slice
+from tests.components.slices import SLICE_BOUNDS, SLICE_USERS, malformed_slice, require_slice
 from tests.pipelines.test_variants_dag import check_variant_report
 
 pytestmark = pytest.mark.slow
@@ -179,12 +179,7 @@ def test_malformed_dataset_fails_at_ingest_and_writes_nothing(tmp_path, capfd):
     """Truly malformed data (here a seq_idx that goes down within a user) stops the DAG in ingest, with the
     loader's error naming file, line and column, before anything reaches the feature store; the exit handler
     still records the failed outcome. (That ingest is not retried on the cluster: tests/pipelines/test_compile.py.)"""
-    inter = pd.read_csv(require_slice() / "interactions.tsv", sep="\t", dtype=str, keep_default_na=False)
-    inter = inter[inter["user_id"].isin(["1", "2"])].reset_index(drop=True)
-    inter.loc[[3, 4], "seq_idx"] = inter.loc[[4, 3], "seq_idx"].to_numpy()  # user 1's rows 3 and 4 swapped
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    inter.to_csv(bad / "interactions.tsv", sep="\t", index=False)
+    bad = malformed_slice(tmp_path / "bad")  # user 1's seq_idx goes down
     with pytest.raises(RuntimeError, match="Inner task failed: .*ingest"):
         run_local(str(bad), "smoke", tmp_path, "bad", "2026-01-01", serve_smoke=False)
     logs = "".join(capfd.readouterr())

@@ -93,33 +93,36 @@ class Prometheus:
         value = float(result[0]["value"][1])
         return None if math.isnan(value) else value
 
-    def scraped_since(self, selector: str, t: float, timeout_s: float, poll_s: float = 0.25) -> bool:
+    def scraped_since(self, selector: str, t: float, timeout_s: float, poll_s: float = 0.25) -> float | None:
         """Wait until every live target matching `selector` has been scraped successfully after time `t`
-        (epoch seconds). A failed scrape (up == 0) does not count: it brings no samples."""
+        (epoch seconds), and return the oldest of their latest scrape times (None on timeout). A failed scrape
+        (up == 0) does not count: it brings no samples."""
         deadline = time.monotonic() + timeout_s
         while True:
             last = self.query(f"min(timestamp(up{{{selector}}}) and (up{{{selector}}} == 1))")
             if last is not None and last > t:
-                return True
+                return last
             if time.monotonic() >= deadline:
-                return False
+                return None
             time.sleep(poll_s)
 
 
-def revision_metrics(prom: Prometheus, selector: str, window_s: int, at: float) -> dict[str, float | None]:
+def revision_metrics(prom: Prometheus, selector: str, window_s: float, at: float) -> dict[str, float | None]:
     """One revision's request count, error rate, p99 latency, validity, fallback rate and tokens per forward
     over the `window_s` seconds before `at` (None where it served nothing to measure). Every query is
     evaluated at the same instant, so the ratios compare counts over the same samples."""
 
+    window = f"{math.ceil(window_s * 1000)}ms"
+
     def increase(metric: str, match: str = "") -> float:
-        return prom.query(f"sum(increase({metric}{{{selector}{match}}}[{window_s}s]))", at) or 0.0
+        return prom.query(f"sum(increase({metric}{{{selector}{match}}}[{window}]))", at) or 0.0
 
     requests, errors = increase(REQUESTS), increase(REQUESTS, ',status=~"5.."')
     rankings = increase(RANKINGS)
     valid, fallback = increase(RANKINGS, ',outcome="valid"'), increase(RANKINGS, ',outcome="fallback"')
     tokens, forwards = increase(f"{TOKENS_PER_FORWARD}_sum"), increase(f"{TOKENS_PER_FORWARD}_count")
     p99 = prom.query(
-        f"histogram_quantile(0.99, sum by (le) (increase({LATENCY_BUCKET}{{{selector}}}[{window_s}s])))", at
+        f"histogram_quantile(0.99, sum by (le) (increase({LATENCY_BUCKET}{{{selector}}}[{window}])))", at
     )
     return {
         "requests": requests,
@@ -253,7 +256,7 @@ def analyze(
     the report ({"outcome": "promoted" | "rolled-back", "steps": [...]}).
 
     `wait(step_seconds)` is where live traffic runs (time.sleep on a cluster). `scrape_interval_s` is
-    Prometheus' scrape interval: each step's window reaches one scrape before the step started."""
+    Prometheus' scrape interval: each step's window starts at the first scrape after the step started."""
     check_steps(cfg.steps)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -298,17 +301,21 @@ def analyze(
         }
         timeout_s = 3 * scrape_interval_s + 30
         try:
-            # A scrape of each revision before the probes and one after the step's traffic: the window between
-            # them holds this step's requests, however late Prometheus scrapes.
-            unscraped = {k for k, sel in selectors.items() if not prom.scraped_since(sel, t0, timeout_s)}
+            # A scrape of each revision before the probes (its baseline) and one after the step's traffic. The
+            # window starts half a scrape interval before the baseline, so it holds the baseline sample but not
+            # the one before it, which may predate requests from before the step (a slow earlier step's last
+            # answers were once counted in the next step's p99).
+            base = {k: prom.scraped_since(sel, t0, timeout_s) for k, sel in selectors.items()}
             stable_answers = probe(stable.url, model_name or name, probes) if stable else None
             canary_answers = probe(canary.url, model_name or name, probes)
             wait(cfg.step_seconds)
             t_end = time.time()
-            unscraped |= {k for k, sel in selectors.items() if not prom.scraped_since(sel, t_end, timeout_s)}
+            end = {k: prom.scraped_since(sel, t_end, timeout_s) for k, sel in selectors.items()}
+            unscraped = {k for k in selectors if base[k] is None or end[k] is None}
             at = time.time()
             measured = {
-                k: revision_metrics(prom, sel, math.ceil(at - t0) + 1, at) for k, sel in selectors.items()
+                k: revision_metrics(prom, sel, at - (base[k] or t0) + scrape_interval_s / 2, at)
+                for k, sel in selectors.items()
             }
         except PrometheusError as e:
             step["failures"] = [f"Prometheus query failed: {e}"]

@@ -5,10 +5,11 @@ per scenario), with the fake Kubernetes API
 (tests/deploy/fake_kube.py) playing KServe. A healthy canary walks 10 -> 50 -> 100 % and is promoted, the production pointer written; a
 canary that errors, is slow or gives invalid rankings is rolled back at the first step, the pointer left alone.
 
-The faults are deterministic and far from the thresholds (every request fails; 3 s per call, whose p99 falls in
-the (2.5 s, 5 s] bucket, against a bound of stable p99 x 2 + 1 s; every ranking invalid), and nothing is timed: the analysis waits until Prometheus has
-scraped both revisions before and after each step's traffic, so the outcome does not depend on how busy the
-machine is, and one scenario's requests never count in the next one's window.
+The faults are deterministic and far from the thresholds (every request fails; 6 s per call, whose p99 falls in
+the (5 s, 10 s] bucket, against a bound of stable p99 x 2 + 5 s, so a healthy answer delayed by a busy machine
+(one once took 2.5-5 s in CI) is not "slow"; every ranking invalid), and nothing is timed: the analysis waits
+until Prometheus has scraped both revisions before and after each step's traffic, and each step's window starts
+at its first scrape, so one scenario's requests never count in the next one's window.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ OVERLAY = ROOT / "manifests" / "overlays" / "prod"
 SCRAPE_S = 1.0
 STABLE, CANARY = "gr2-reranker-predictor-00001", "gr2-reranker-predictor-00002"
 CFG = CanaryConfig(
-    steps=(10, 50, 100), step_seconds=0, probe_size=3, min_requests=3, max_p99_ratio=2.0, p99_slack_s=1.0
+    steps=(10, 50, 100), step_seconds=0, probe_size=3, min_requests=3, max_p99_ratio=2.0, p99_slack_s=5.0
 )
 TRAFFIC = 20  # live requests per step, split between the revisions as the canary percentage says
 
@@ -176,12 +177,6 @@ def start_canary(api, model_dir, tmp_path) -> ArtifactStore:
 
 
 def run(fault, revisions, prometheus, examples, model_dir, tmp_path):
-    # The scenarios share the two revisions, and a step's window reaches back to the last scrape before it: wait
-    # for a scrape of both after the previous scenario's requests, so none of them counts in this one (a slow
-    # scenario's last answers showed up as the next one's p99).
-    t = time.time()
-    for rev in (STABLE, CANARY):
-        assert Prometheus(prometheus).scraped_since(f'{REVISION_LABEL}="{rev}"', t, 30), rev
     revisions["fault_file"].write_text(fault)
     api = FakeApi(traffic={"prev": revisions["stable"], "latest": revisions["canary"]})
     store = start_canary(api, model_dir, tmp_path)

@@ -28,7 +28,6 @@ from kubernetes.config import kube_config
 from components.artifact_store import ArtifactStore, LocalBackend
 from deploy.canary import (
     REVISION_LABEL,
-    Prometheus,
     agreement,
     analyze,
     check_steps,

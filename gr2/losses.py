@@ -119,21 +119,28 @@ def sample_masks(
     return torch.stack(masks).to(dev), torch.stack(probs).to(dev)
 
 
-def bd3_mask(prompt_len: int, resp_len: int, block_size: int, pad_lens: torch.Tensor) -> torch.Tensor:
-    """[B, 1, P + 2R, P + 2R] mask for the vectorised BD3-LM layout [prompt, x_0 response, x_t response].
+def bd3_mask(
+    prompt_len: int, resp_len: int, block_size: int, pad_lens: torch.Tensor, views: int = 1
+) -> torch.Tensor:
+    """[B, 1, T, T] mask, T = P + (1 + V) R, for the vectorised BD3-LM layout [prompt, x_0 response, V noisy
+    x_t responses].
 
     prompt + x_0 follow `block_causal_mask` (clean block b sees the prompt and clean blocks <= b); a noisy
-    block b sees the prompt, clean blocks < b and itself (bidirectionally). Nothing clean sees a noisy token.
+    block b of any view sees the prompt, clean blocks < b and itself (bidirectionally), never another view.
+    Nothing clean sees a noisy token.
     """
-    P, R = prompt_len, resp_len
+    P, R, V = prompt_len, resp_len, views
     B = pad_lens.shape[0]
     dev = pad_lens.device
-    m = torch.zeros(B, P + 2 * R, P + 2 * R, dtype=torch.bool, device=dev)
+    m = torch.zeros(B, P + (1 + V) * R, P + (1 + V) * R, dtype=torch.bool, device=dev)
     m[:, : P + R, : P + R] = block_causal_mask(P, P + R, block_size, pad_lens)[:, 0]
     bq = torch.arange(R, device=dev) // block_size
-    m[:, P + R :, :P] = (torch.arange(P, device=dev)[None, :] >= pad_lens[:, None])[:, None, :]
-    m[:, P + R :, P : P + R] = bq[:, None] > bq[None, :]
-    m[:, P + R :, P + R :] = bq[:, None] == bq[None, :]
+    prompt = (torch.arange(P, device=dev)[None, :] >= pad_lens[:, None])[:, None, :]
+    for v in range(V):
+        rows = slice(P + (1 + v) * R, P + (2 + v) * R)
+        m[:, rows, :P] = prompt
+        m[:, rows, P : P + R] = bq[:, None] > bq[None, :]
+        m[:, rows, rows] = bq[:, None] == bq[None, :]
     return m.unsqueeze(1)
 
 
@@ -141,7 +148,8 @@ def diffusion_logits(
     model: torch.nn.Module, batch: Batch, masks: torch.Tensor, block_size: int, mask_id: int
 ) -> torch.Tensor:
     """Logits [V*B, R, vocab] predicting every response position of the V noised views of `batch` (masks
-    [V, B, R]), all views in one forward of V*B rows (BD3-LM layout).
+    [V, B, R]), all views in one forward of B rows (BD3-LM layout, the views side by side after one shared
+    prompt and x_0: a third fewer tokens than one row per view, same logits).
 
     Token shift: response position r is predicted from column r-1 of its own noisy block, or for a block's
     first position from the last clean token before the block (the x_0 copy / the prompt), as in decoding.
@@ -150,19 +158,21 @@ def diffusion_logits(
     P, R = batch.prompt_len, batch.resp_len
     x0 = batch.input_ids[:, P:]
     xt = torch.where(masks, torch.full_like(x0, mask_id)[None], x0[None])  # [V, B, R]
-    seq = torch.cat([batch.input_ids[None].expand(V, -1, -1), xt], dim=2).flatten(0, 1)  # [V*B, P+2R]
-    pad_lens = batch.pad_lens.repeat(V)
+    seq = torch.cat([batch.input_ids, *xt], dim=1)  # [B, P + (1 + V) R]
     dev = seq.device
     cols = torch.arange(P + R, device=dev)
-    pos = position_ids_for(pad_lens, torch.cat([cols, cols[P:]]))
+    pos = position_ids_for(batch.pad_lens, torch.cat([cols, *[cols[P:]] * V]))
     r = torch.arange(R, device=dev)
-    src = torch.where(r % block_size == 0, P + r - 1, P + R + r - 1)  # column whose logits predict r
-    return model(
+    src = torch.cat(
+        [torch.where(r % block_size == 0, P + r - 1, P + (1 + v) * R + r - 1) for v in range(V)]
+    )  # the column whose logits predict view v's position r
+    logits = model(
         input_ids=seq,
-        attention_mask=bd3_mask(P, R, block_size, pad_lens),
+        attention_mask=bd3_mask(P, R, block_size, batch.pad_lens, V),
         position_ids=pos,
         logits_to_keep=src,
-    ).logits
+    ).logits  # [B, V*R, vocab]
+    return logits.unflatten(1, (V, R)).transpose(0, 1).flatten(0, 1)
 
 
 def diffusion_loss_from_masks(

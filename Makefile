@@ -35,7 +35,7 @@ run: install ## whole pipeline locally (kfp.local) on the embedded default (Movi
 	$(PY) -m pipelines.run_local --profile $(PROFILE) --dataset $(DATASET) --command "make run"
 
 bench: install ## benchmark profile (DATASET=amazon_beauty by default); writes benchmarks/<dataset>.json/.md
-	$(PY) -m pipelines.run_local --profile bench --dataset $(if $(filter command line,$(origin DATASET)),$(DATASET),$(BENCH_DATASET)) --benchmark-dir benchmarks --command "make bench$(if $(filter command line,$(origin DATASET)), DATASET=$(DATASET))"
+	$(PY) -m pipelines.run_local --profile bench --dataset $(if $(filter command line,$(origin DATASET)),$(DATASET),$(BENCH_DATASET)) --ablation --benchmark-dir benchmarks --command "make bench$(if $(filter command line,$(origin DATASET)), DATASET=$(DATASET))"
 
 nightly: setup-test install ## replay a month of nightly runs on Beauty (quick profile, 3 injected faults) -> benchmarks/nightly.json/.md/.png
 	$(PY) -m pipelines.nightly

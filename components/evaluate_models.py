@@ -13,7 +13,6 @@ def evaluate_models(
     sft_data: Input[Artifact],
     ar_sft_model: Input[Model],
     ar_model: Input[Model],
-    ar_no_trace_model: Input[Model],
     naive_model: Input[Model],
     cft_model: Input[Model],
     opd_model: Input[Model],
@@ -24,7 +23,7 @@ def evaluate_models(
     profile: str,
 ):
     """Score the reasoning teacher (from sft_data) and decode the test split with every model (AR teacher after SFT
-    and after RL, no-trace ablation, naive conversion, CFT and the RL student at each tau, OPD at the serving
+    and after RL, naive conversion, CFT and the RL student at each tau, OPD at the serving
     tau), measure speed in one process, write report.json / report.md / plots; headline numbers to the KFP UI."""
     import base64
     from pathlib import Path
@@ -34,7 +33,6 @@ def evaluate_models(
     bundles = {
         "ar_sft": ar_sft_model.path,
         "ar": ar_model.path,
-        "ar_no_trace": ar_no_trace_model.path,
         "naive": naive_model.path,
         "cft": cft_model.path,
         "opd": opd_model.path,

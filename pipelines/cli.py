@@ -17,6 +17,7 @@ gr2 convert-cft --ar-model runs/x/ar --sft-data ... --naive-out runs/x/naive --o
 gr2 distill --student runs/x/cft --teacher runs/x/ar --sft-data ... --examples ... --out runs/x/opd
 gr2 rl --model runs/x/opd --sft-data ... --examples ... --out runs/x/rl        the deployable student
 gr2 evaluate-models --examples ... --floor-report runs/x/report --ar runs/x/ar ... --out runs/x/models
+gr2 evaluate-ablation --examples ... --ar runs/x/ar --ar-no-trace runs/x/ar_nt --out runs/x/ablation
 gr2 champion --sources ... --examples ... --candidate runs/x/rl --out runs/x/champion --run-id RUN
 gr2 gate --report runs/x/models --champion runs/x/champion --out runs/x/decision --candidate rl
 gr2 deploy --model runs/x/rl --decision runs/x/decision --out runs/x/plan --run-id RUN [--no-dry-run]
@@ -276,7 +277,6 @@ def evaluate_models(
         None, help="sft_data folder (`gr2 prepare-sft`): adds the reasoning teacher's row"
     ),
     ar_sft: Path = typer.Option(None, help="AR teacher after SFT only"),
-    ar_no_trace: Path = typer.Option(None, help="no-trace AR folder"),
     naive: Path = typer.Option(None, help="naive converted folder"),
     cft: Path = typer.Option(None, help="CFT folder"),
     opd: Path = typer.Option(None, help="on-policy distilled student folder"),
@@ -287,12 +287,26 @@ def evaluate_models(
     from components._lib import model_steps
     from components._lib.report_io import table_markdown
 
-    bundles = {"ar_sft": ar_sft, "ar": ar, "ar_no_trace": ar_no_trace, "naive": naive, "cft": cft}
-    bundles |= {"opd": opd, "rl": rl}
+    bundles = {"ar_sft": ar_sft, "ar": ar, "naive": naive, "cft": cft, "opd": opd, "rl": rl}
     bundles = {k: v for k, v in bundles.items() if v is not None}
     typer.echo(
         table_markdown(model_steps.evaluate_models(examples, floor_report, bundles, out, profile, sft_data))
     )
+
+
+@app.command("evaluate-ablation")
+def evaluate_ablation(
+    examples: Path = typer.Option(..., help="examples parquet"),
+    ar: Path = typer.Option(..., help="AR teacher folder (SFT + RL)"),
+    ar_no_trace: Path = typer.Option(..., help="no-trace AR folder (`gr2 train-ar --variant ar_no_trace`)"),
+    out: Path = typer.Option(..., help="report folder (report.json / report.md)"),
+    profile: str = typer.Option("quick"),
+) -> None:
+    """What the trace buys: the AR teacher against its no-trace ablation on the same test lists; prints it."""
+    from components._lib import model_steps
+
+    model_steps.evaluate_ablation(examples, {"ar": ar, "ar_no_trace": ar_no_trace}, out, profile)
+    typer.echo((out / "report.md").read_text())
 
 
 @app.command()

@@ -1,6 +1,6 @@
 """The retraining DAG: ingest -> feast apply -> extract -> validate -> materialize | candidates -> validate ->
-model stages (floor/ltr, SFT data, AR teacher + no-trace ablation, conversion + CFT, evaluation, champion
-against challenger and drift, gate, deploy, canary analysis).
+model stages (floor/ltr, SFT data, AR teacher, conversion + CFT, evaluation, champion against challenger and
+drift, gate, deploy, canary analysis; with `ablation`, also the no-trace ablation).
 Every step is a component in components/; `make run` executes this same definition locally with kfp.local
 (pipelines/run_local.py) and `make compile` writes it as cluster YAML (pipelines/cli.py).
 
@@ -18,6 +18,7 @@ from components.champion import champion
 from components.convert_cft import convert_cft
 from components.deploy import deploy
 from components.distill_on_policy import distill_on_policy
+from components.evaluate_ablation import evaluate_ablation
 from components.evaluate_floor import evaluate_floor
 from components.evaluate_models import evaluate_models
 from components.extract import extract
@@ -36,6 +37,7 @@ PIPELINE_NAME = "gr2-retraining"
 
 
 def _model_stages(
+    *,
     sources,
     examples,
     profile,
@@ -46,12 +48,13 @@ def _model_stages(
     prometheus_url,
     nodes,
     gpus,
+    ablation,
 ) -> None:
     """Model stages on validated examples (the stage table, docs/PAPER.md): floor/ltr; the AR teacher = SFT
-    (`ar_sft`) + RL (`ar`), and its no-trace ablation; conversion (`naive`) + CFT from the final teacher; OPD
-    from that teacher; RL of the student (`rl`, the deployable model); the table with speed; champion against
-    challenger on tonight's lists, with drift (components/champion.py); the gate; and
-    (only if the gate passes) the canary deployment of the RL student, then (only if its canary runs) the
+    (`ar_sft`) + RL (`ar`), and with `ablation` its no-trace ablation, scored apart; conversion (`naive`) + CFT
+    from the final teacher; OPD from that teacher; RL of the student (`rl`, the deployable model); the table
+    with speed; champion against challenger on tonight's lists, with drift (components/champion.py); the gate;
+    and (only if the gate passes) the canary deployment of the RL student, then (only if its canary runs) the
     canary analysis that promotes or rolls back. The four training stages run as TrainJobs of `nodes` x `gpus`
     processes on a cluster."""
     scale = {"train_nodes": nodes, "gpus_per_node": gpus}
@@ -65,8 +68,18 @@ def _model_stages(
         rl(in_model=ar_sft.outputs["model"], sft_data=data, examples=examples, profile=profile, **scale)
     )
     ar.set_display_name("rl-ar-teacher")
-    ar_nt = train_task(train_ar_teacher(sft_data=data, profile=profile, variant="ar_no_trace", **scale))
-    ar_nt.set_display_name("train-ar-no-trace")
+    # What the trace buys (the bench's question, not a nightly one): the same AR model trained on answers alone.
+    with dsl.If(ablation == True, name="ablation"):  # noqa: E712 (a KFP condition, not a bool)
+        ar_nt = train_task(train_ar_teacher(sft_data=data, profile=profile, variant="ar_no_trace", **scale))
+        ar_nt.set_display_name("train-ar-no-trace")
+        gpu_task(
+            evaluate_ablation(
+                examples=examples,
+                ar_model=ar.outputs["model"],
+                ar_no_trace_model=ar_nt.outputs["model"],
+                profile=profile,
+            )
+        )
     cft = train_task(convert_cft(ar_model=ar.outputs["model"], sft_data=data, profile=profile, **scale))
     opd = train_task(
         distill_on_policy(
@@ -89,7 +102,6 @@ def _model_stages(
             sft_data=data,
             ar_sft_model=ar_sft.outputs["model"],
             ar_model=ar.outputs["model"],
-            ar_no_trace_model=ar_nt.outputs["model"],
             naive_model=cft.outputs["naive_model"],
             cft_model=cft.outputs["model"],
             opd_model=opd.outputs["model"],
@@ -163,6 +175,7 @@ def gr2_pipeline(
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090",
     train_nodes: int = 1,
     train_gpus_per_node: int = 1,
+    ablation: bool = False,
 ):
     """`snapshot_date` (the data version, recorded by ingest and the outcome) is part of every cache key, and
     ingest is never cached, so no run reuses another day's data. The whole DAG sits in an exit handler that
@@ -172,6 +185,7 @@ def gr2_pipeline(
     selects an environment's registry / offline / online stores. `bounds_json` overrides validation
     row-count bounds (components/_lib/validation.py Bounds), e.g. for a small slice. `train_nodes` x
     `train_gpus_per_node`: the size of each training stage's TrainJob (locally: 1 node, that many processes).
+    `ablation`: also train and score the no-trace ablation (`make bench`; a nightly run leaves it out).
     """
     # The exit handler runs last whatever happens inside (kfp.local runs it too): it records the run's outcome.
     done = cpu_task(
@@ -240,16 +254,17 @@ def gr2_pipeline(
             ).set_display_name("validate-examples")
             with dsl.If(ve.outputs["Output"] == True, name="examples-valid"):  # noqa: E712
                 _model_stages(
-                    ing.outputs["sources"],
-                    cand.outputs["examples"],
-                    profile,
-                    dataset,
-                    candidate,
-                    canary_percent,
-                    deploy_dry_run,
-                    prometheus_url,
-                    train_nodes,
-                    train_gpus_per_node,
+                    sources=ing.outputs["sources"],
+                    examples=cand.outputs["examples"],
+                    profile=profile,
+                    dataset=dataset,
+                    candidate=candidate,
+                    canary_percent=canary_percent,
+                    deploy_dry_run=deploy_dry_run,
+                    prometheus_url=prometheus_url,
+                    nodes=train_nodes,
+                    gpus=train_gpus_per_node,
+                    ablation=ablation,
                 )
 
 

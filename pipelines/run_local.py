@@ -110,6 +110,7 @@ def run_local(
     serve_smoke: bool = True,
     overrides: dict | None = None,
     runner: str = "subprocess",
+    ablation: bool = False,
 ) -> dict:
     """Execute the pipeline locally; returns {"run_dir", "report" (or None), "validation", "seconds"}.
 
@@ -119,7 +120,9 @@ def run_local(
     serve_smoke: then serve the deployable model on 127.0.0.1 behind the Feast transformer and send it real
     requests (deploy/smoke_local.py); the summary goes into the report as `serving_smoke`.
 
-    runner: "subprocess" (this venv) or "docker" (the compiled pipeline's images, see the module docstring)."""
+    runner: "subprocess" (this venv) or "docker" (the compiled pipeline's images, see the module docstring).
+
+    ablation: also train and score the no-trace ablation (its report lands beside the run's as ablation.md)."""
     from kfp import local
 
     from pipelines.pipeline import gr2_pipeline
@@ -148,6 +151,7 @@ def run_local(
         "snapshot_date": snapshot_date or f"{datetime.now(UTC):%Y-%m-%d}",
         "max_users": max_users,
         "bounds_json": bounds_json,
+        "ablation": ablation,
     }
     # The artifact store of the steps (production pointer, uploads, each step's published result, the outcome):
     # the configured one (GR2_S3_BUCKET or GR2_ARTIFACT_ROOT), else <runs_dir>/artifacts.
@@ -196,6 +200,10 @@ def run_local(
             shutil.copy(png, run_dir / png.name)  # the plots the report links to
         if evaluated and (evaluated.parent / "model_cards").is_dir():
             shutil.copytree(evaluated.parent / "model_cards", run_dir / "model_cards", dirs_exist_ok=True)
+        ablation_md = _latest("**/evaluate-ablation/ablation/report.md", root)
+        if ablation_md is not None:
+            report["ablation"] = json.loads((ablation_md.parent / "report.json").read_text())
+            shutil.copy(ablation_md, run_dir / "ablation.md")
         write_report(run_dir, report, link_latest=True)  # runs/<id>/report.json + .md, runs/latest -> <id>
         with open(run_dir / "report.md", "a") as f:
             f.write(f"\nRun `{run_id}`, pipeline {seconds:.0f} s, command `{report['command']}`.\n")
@@ -217,6 +225,8 @@ def run_local(
                 dest.write_text(repo_relative((run_dir / card).read_text()))
                 md = md.replace(f"]({card})", f"]({label}_{card})")
             (bench / f"{label}.md").write_text(repo_relative(md))
+            if (run_dir / "ablation.md").exists():
+                shutil.copy(run_dir / "ablation.md", bench / f"{label}_ablation.md")
     return out
 
 
@@ -245,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a profile key, e.g. --set seed=1 (YAML value; repeatable)",
     )
+    ap.add_argument("--ablation", action="store_true", help="also train and score the no-trace ablation")
     a = ap.parse_args(argv)
     overrides = {}
     for item in a.set:
@@ -265,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_smoke=not a.no_serve_smoke,
         overrides=overrides,
         runner=a.runner,
+        ablation=a.ablation,
     )
     if res["report"] is None:
         print(f"\nNo report: validation stopped the pipeline after {res['seconds']} s ({res['run_dir']}).")

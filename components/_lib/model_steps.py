@@ -6,6 +6,7 @@ convert_cft:   AR bundle + sft_data -> naive converted bundle, CFT bundle
 rl:            AR or diffusion bundle + sft_data + examples -> the bundle after GRPO (docs/PAPER.md, RL)
 distill:       diffusion student + AR teacher bundles -> the student after on-policy distillation (docs/PAPER.md, OPD)
 evaluate:      examples + bundles + the floor report -> the full report (rows, speed, plots)
+ablation:      examples + the AR teacher and its no-trace ablation -> what the trace buys (paired)
 """
 
 from __future__ import annotations
@@ -168,3 +169,36 @@ def evaluate_models(
     report["seconds_evaluate_models"] = round(time.perf_counter() - t0, 1)
     write_report(out, report)
     return report
+
+
+def evaluate_ablation(
+    examples_path: str | Path, bundles: Mapping[str, str | Path], out_dir: str | Path, profile: str | Profile
+) -> dict[str, Any]:
+    """The no-trace ablation's report (gr2/stages/evaluate.py `ablation_rows`): report.json and report.md."""
+    from gr2.report import fmt_ci, json_default
+    from gr2.stages.evaluate import ablation_rows
+
+    prof = as_profile(profile)
+    test = sources.read_test_lists(examples_path, prof.data.max_eval_examples)
+    rep = ablation_rows({name: bundle_dir(p) for name, p in bundles.items()}, test, prof)
+    d = rep["ar_minus_ar_no_trace"]
+    lines = [
+        "# Ablation: what the trace buys",
+        "",
+        "The AR teacher against the same model trained on the answer alone, on the same test lists.",
+        "",
+        "| model | recall@1 | validity |",
+        "|---|---|---|",
+        *(
+            f"| {r['model']} | {r['recall@1']:.4f}{fmt_ci(r, 'recall@1')} | {r['validity']:.3f} |"
+            for r in rep["rows"]
+        ),
+        "",
+        f"`ar` - `ar_no_trace` recall@1 {d['delta']:+.4f}, paired 95% CI [{d['ci95'][0]:+.4f}, "
+        f"{d['ci95'][1]:+.4f}] on {d['n_lists']} lists.",
+    ]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(rep, indent=1, default=json_default))
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    return rep

@@ -290,6 +290,29 @@ def evaluate_generative(
     return Evaluation(rows, speed, by_length, cold_start_row(models[name], decoder, tau, test, profile))
 
 
+def ablation_rows(bundles: Mapping[str, str | Path], test: pd.DataFrame, profile: Profile) -> dict:
+    """What the trace buys: the AR teacher (`bundles["ar"]`) and its no-trace ablation (`bundles["ar_no_trace"]`)
+    decoded once each on the same test lists; their rows as the stage table's, and the paired bootstrap CI of
+    ar - ar_no_trace (recall@1, after the fallback)."""
+    torch.set_num_threads(profile.eval.threads)
+    n_boot, seed = profile.bootstrap_samples, profile.seed
+    lengths = test["candidates"].map(len).tolist()
+    rows, ranked = [], {}
+    for name in ("ar", "ar_no_trace"):
+        model = load(bundles[name])
+        answers, _ = decode_answers(model, test, "ar", None, profile)
+        ranking, valid = [a.ranking for a in answers], [a.valid for a in answers]
+        rows.append(evaluate(test, ranking, valid, n_boot=n_boot, seed=seed, model=name))
+        ranked[name] = apply_fallback(ranking, valid, lengths)
+    paired = evaluate(test, ranked["ar"], floor_rankings=ranked["ar_no_trace"], n_boot=n_boot, seed=seed)
+    delta = {
+        "n_lists": len(test),
+        "delta": paired["delta_vs_floor_mean"]["recall@1"],
+        "ci95": paired["delta_vs_floor"]["recall@1"],
+    }
+    return {"rows": rows, "ar_minus_ar_no_trace": delta}
+
+
 def length_rows(
     model: GenerativeReranker,
     decoder: str,

@@ -28,7 +28,8 @@ TRAIN_STEPS = [
     "distill-on-policy",
     "rl-diffusion",
 ]
-GPU_STEPS = ["evaluate-models", "champion"]  # champion: decodes tonight's test lists with two models
+# champion decodes tonight's test lists with two models; evaluate-ablation the AR teacher and its ablation
+GPU_STEPS = ["evaluate-models", "champion", "evaluate-ablation"]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,9 @@ def test_dag_steps_images_and_parameters(compiled):
         "bounds_json",
         "canary_percent",
         "prometheus_url",
+        "ablation",
     } <= set(params)
+    assert params["ablation"]["defaultValue"] is False  # a nightly run leaves the ablation out
     assert {"train_nodes", "train_gpus_per_node"} <= set(params)
 
 
@@ -179,6 +182,20 @@ def test_only_steps_that_talk_to_services_are_retried(compiled):
         assert "retryPolicy" not in tasks[step][1], step
     for step in ["feast-apply", "extract", "materialize", "gate", "deploy", "record-outcome"]:
         assert tasks[step][1]["retryPolicy"]["maxRetryCount"] == 1, step
+
+
+def test_the_ablation_sits_under_its_parameter(compiled):
+    """train-ar-no-trace and evaluate-ablation run only when the pipeline's `ablation` is true (`make bench`)."""
+    spec, _ = compiled
+    tasks = _tasks(spec)
+    parent, _ = tasks["train-ar-no-trace"]
+    assert tasks["evaluate-ablation"][0] == parent
+    cond_name, cond = _condition(tasks, parent)
+    assert cond_name == "ablation"
+    assert (
+        cond["triggerPolicy"]["condition"] == "inputs.parameter_values['pipelinechannel--ablation'] == true"
+    )
+    assert "ar_no_trace_model" not in str(tasks["evaluate-models"][1]["inputs"])
 
 
 def test_deploy_sits_under_the_gate_condition(compiled):

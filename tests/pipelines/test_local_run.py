@@ -45,6 +45,7 @@ def test_local_run_writes_report(tmp_path):
         0,
         json.dumps(SLICE_BOUNDS),
         overrides={"seed": 1},
+        ablation=True,
     )
     rep = res["report"]
     assert rep is not None, res["validation"]
@@ -58,7 +59,6 @@ def test_local_run_writes_report(tmp_path):
         ("teacher", None),
         ("ar_sft", None),
         ("ar", None),
-        ("ar_no_trace", None),
         ("naive", 0.5),
         ("cft", 1.0),
         ("cft", 0.5),
@@ -79,6 +79,14 @@ def test_local_run_writes_report(tmp_path):
         ("ar", 4),
         ("rl", 4),
     }
+    # The ablation branch ran (ablation=True): the AR teacher and its no-trace ablation, paired, beside the report.
+    abl = rep["ablation"]
+    assert [r["model"] for r in abl["rows"]] == ["ar", "ar_no_trace"]
+    assert abl["rows"][0]["recall@1"] == next(r["recall@1"] for r in rep["rows"] if r["model"] == "ar")
+    d = abl["ar_minus_ar_no_trace"]
+    assert d["n_lists"] == rep["retriever"]["n_test_examples"] and d["ci95"][0] <= d["delta"] <= d["ci95"][1]
+    assert d["delta"] == pytest.approx(abl["rows"][0]["recall@1"] - abl["rows"][1]["recall@1"])
+    assert "what the trace buys" in (tmp_path / "smoke" / "ablation.md").read_text()
     # The gate ran on the candidate row and wrote its decision and reasons into the report.
     assert isinstance(rep["gate"]["passed"], bool) and any(
         "rl" in x or "floor" in x for x in rep["gate"]["reasons"]
@@ -107,7 +115,7 @@ def test_local_run_writes_report(tmp_path):
     assert "## Local serving check" in (tmp_path / "smoke" / "report.md").read_text()
     # A model card per evaluated model beside the report, linked from it.
     cards = tmp_path / "smoke" / "model_cards"
-    names = ["ar_sft", "ar", "ar_no_trace", "naive", "cft", "opd", "rl"]
+    names = ["ar_sft", "ar", "naive", "cft", "opd", "rl"]
     assert sorted(p.stem for p in cards.glob("*.md")) == sorted(names)
     assert "block diffusion, block_size 4" in (cards / "rl.md").read_text()
     assert "(model_cards/rl.md)" in (tmp_path / "smoke" / "report.md").read_text()

@@ -52,7 +52,6 @@ STAGES = [
     "teacher",
     "ar_sft",
     "ar",
-    "ar_no_trace",
     "naive",
     "cft",
     "opd",

@@ -27,7 +27,7 @@ their number. A scored token = a committed token at or before the row's first eo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -79,18 +79,15 @@ class RolloutBatch(Batch):
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         t = self.teacher_logprobs
-        return RolloutBatch(
-            self.input_ids.to(device),
-            self.weights.to(device),
-            self.pad_lens.to(device),
-            self.prompt_len,
-            self.n_tokens,
-            self.traj.to(device),
-            self.old_logprobs.to(device),
-            self.advantages.to(device),
-            None if t is None else t.to(device),
-            self.step,
-            self.stats,
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            weights=self.weights.to(device),
+            pad_lens=self.pad_lens.to(device),
+            traj=self.traj.to(device),
+            old_logprobs=self.old_logprobs.to(device),
+            advantages=self.advantages.to(device),
+            teacher_logprobs=None if t is None else t.to(device),
         )
 
     @property

@@ -228,10 +228,11 @@ class GenerativeReranker:
         return item_id in self.sids.codes
 
     def rank(
-        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float = DiffusionConfig.eval_tau
+        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float | None = None
     ) -> list[RankResult]:
         """Rankings of lists of any lengths 2..N in one call (the decoder pads prompts; evidence pads lists). A
-        request without one known history id goes to the cold-start ranker when the bundle has one."""
+        request without one known history id goes to the cold-start ranker when the bundle has one. tau: as
+        `decode`'s."""
         cold = [
             self.cold_start is not None and not any(h in self.sids.codes for h in r.history) for r in requests
         ]
@@ -240,7 +241,9 @@ class GenerativeReranker:
         cold_ranked = iter(self.cold_rank([r for r, c in zip(requests, cold, strict=True) if c]))
         return [next(cold_ranked) if c else next(decoded) for c in cold]
 
-    def decode_requests(self, requests: list[RankRequest], decoder: str, tau: float) -> list[RankResult]:
+    def decode_requests(
+        self, requests: list[RankRequest], decoder: str, tau: float | None
+    ) -> list[RankResult]:
         """The model's own rankings."""
         prompts = self.encode_prompts([r.history for r in requests], [r.candidates for r in requests])
         out = self.decode(prompts, decoder, tau)
@@ -328,17 +331,20 @@ class GenerativeReranker:
         self,
         prompts: list[list[int]],
         decoder: str = "diffusion",
-        tau: float = DiffusionConfig.eval_tau,
+        tau: float | None = None,
         batch_size: int | None = None,
     ) -> Decoded:
         """Decode prompts in batches of `batch_size`; decoder "ar", "diffusion" (needs block_size > 0) or "spec"
-        (also needs a verifier; tau is the draft's)."""
+        (also needs a verifier; tau is the draft's). tau None: this model's own, the operating tau its bundle
+        records (`BundleConfig.operating_tau`; spec: its draft tau); AR decodes without one."""
         if decoder not in DECODERS:
             raise ValueError(f"decoder must be one of {list(DECODERS)}, got {decoder!r}")
         if decoder != "ar" and self.block_size < 1:
             raise ValueError(f"{self.name} is an AR model (block_size 0): use decoder='ar'")
         if decoder == "spec" and self.verifier is None:
             raise ValueError(f"{self.name} has no verifier (bundle without verifier/): 'spec' needs one")
+        if tau is None:
+            tau = {"diffusion": self.tau, "spec": self.spec_tau}.get(decoder) or 1.0  # (AR reads no tau)
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
         batch = batch_size or self.batch_size

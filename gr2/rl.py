@@ -33,7 +33,6 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from gr2.config import DiffusionConfig
 from gr2.decode import ar_generate, diffusion_generate, pad_prompts, threshold_commits
 from gr2.losses import Batch, certainty_entropy, diffusion_logits, sample_masks
 from gr2.model import block_causal_mask, decoder_and_head, position_ids_for
@@ -209,7 +208,7 @@ class Sampling:
     block_size: int  # 0: AR sampling
     eos_id: int
     mask_id: int | None = None  # block diffusion's mask token
-    tau: float = DiffusionConfig.eval_tau  # block diffusion's commit threshold
+    tau: float | None = None  # block diffusion's commit threshold (RLConfig.tau, OPDConfig.tau)
     temperature: float = 1.0
     rules: DecodeRules = NO_RULES
 
@@ -223,8 +222,8 @@ def sample(
         return sample_ar(
             model, prompts, how.max_new_tokens, how.eos_id, temperature=T, generator=gen, rules=rules
         )
-    if how.mask_id is None:
-        raise ValueError("block diffusion sampling needs mask_id")
+    if how.mask_id is None or how.tau is None:
+        raise ValueError("block diffusion sampling needs mask_id and tau")
     return sample_diffusion(
         model,
         prompts,

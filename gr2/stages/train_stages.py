@@ -91,17 +91,13 @@ def train_ar_teacher(data: SFTData, profile: Profile, out_dir: str | Path, varia
 
 
 def convert(
-    ar_bundle: str | Path,
-    block_size: int,
-    out_dir: str | Path,
-    name: str = "naive",
-    tau: float = DiffusionConfig.eval_tau,
-    spec_tau: float = DiffusionConfig.spec_tau,
+    ar_bundle: str | Path, diffusion: DiffusionConfig, out_dir: str | Path, name: str = "naive"
 ) -> Path:
-    """Naive conversion (docs/PAPER.md, Conversion): copy every AR weight unchanged; only block size and mask token
-    change. `tau` is the students' operating commit threshold (diffusion.eval_tau: the one the gate judges) and
-    `spec_tau` the spec decoder's draft threshold (diffusion.spec_tau), kept in the bundle and every bundle trained
-    from it: serving decodes at them unless a request names another tau."""
+    """Naive conversion (docs/PAPER.md, Conversion): copy every AR weight unchanged; only block size
+    (diffusion.block_size) and mask token change. The bundle, and every bundle trained from it, records the
+    students' operating commit threshold (diffusion.eval_tau: the one the gate judges) as "tau" and the spec
+    decoder's draft threshold (diffusion.spec_tau): serving decodes at them unless a request names another tau."""
+    block_size = diffusion.block_size
     ar = load_bundle(ar_bundle)
     student = convert_to_diffusion(ar.model, block_size, ar.tokenizer.mask_token_id)
     meta = replace(
@@ -109,8 +105,8 @@ def convert(
         name=name,
         stage="convert",
         parent=str(ar_bundle),
-        tau=tau,
-        spec_tau=spec_tau,
+        tau=diffusion.eval_tau,
+        spec_tau=diffusion.spec_tau,
         max_new_tokens=-(-ar.config.max_new_tokens // block_size) * block_size + block_size,
     )
     return write_bundle(out_dir, replace(ar, model=student, config=meta))

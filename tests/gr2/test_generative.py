@@ -64,7 +64,7 @@ def pipeline(tmp_path_factory):
     data.save(root / "sft")
     ar = train_ar_teacher(SFTData.load(root / "sft"), prof, root / "ar")
     dc = prof.diffusion
-    naive = convert(ar, dc.block_size, root / "naive", tau=dc.eval_tau, spec_tau=dc.spec_tau)
+    naive = convert(ar, dc, root / "naive")
     cft = train_cft(naive, data, prof, root / "cft")
     return {
         "prof": prof,
@@ -159,6 +159,12 @@ def test_cft_changes_weights_and_keeps_block_size(pipeline):
     assert any(
         not torch.equal(a, b) for a, b in zip(naive.model.parameters(), cft.model.parameters(), strict=True)
     )
+    # a call that names no tau decodes at the model's own
+    ex = pipeline["examples"].query("split == 'val'").head(4)
+    prompts = cft.encode_prompts(ex["history"].tolist(), ex["candidates"].tolist())
+    own, at_tau = cft.decode(prompts, "diffusion"), cft.decode(prompts, "diffusion", cft.tau)
+    assert own.responses == at_tau.responses and own.nfe == at_tau.nfe
+    assert own.nfe < cft.decode(prompts, "diffusion", 1.0).nfe  # (a tau that matters)
 
 
 def test_cft_trains_on_the_teachers_greedy_responses(pipeline):

@@ -75,7 +75,7 @@ def train_toy_bundle(out: str | Path, users: set[str]) -> Path:
     data = prepare_sft(examples, ds, prof)
     ar = train_ar_teacher(data, prof, out / "ar")
     dc = prof.diffusion
-    naive = convert(ar, dc.block_size, out / "naive", tau=dc.eval_tau, spec_tau=dc.spec_tau)
+    naive = convert(ar, dc, out / "naive")
     cft = train_cft(naive, data, prof, out / "cft")
     student = load_bundle(cft)
     toy = replace(student, config=replace(student.config, name="toy"), verifier=load_bundle(ar).model)

@@ -58,8 +58,7 @@ def rounds(model: GenerativeReranker, prompts: list[list[int]], tau: float) -> d
             tau,
             tok.mask_token_id,
             tok.eos_token_id,
-            unique=model.unique,
-            follow=model.follow,
+            rules=model.rules,
         )
         ids, t = out[0].tolist(), traj[0].tolist()
         length = ids.index(tok.eos_token_id) + 1 if tok.eos_token_id in ids else len(ids)
@@ -94,13 +93,14 @@ def forced_tokens(
 
 def ar_forced(model: GenerativeReranker, prompts: list[list[int]], batch: int) -> dict:
     """An AR bundle's greedy responses: tokens per list, and those `forced_tokens` counts."""
-    if model.follow is None or model.unique is None:
+    follow, unique = model.rules.follow, model.rules.unique
+    if follow is None or unique is None:
         raise SystemExit(f"{model.name} has no trace rule (prompt.follow_trace): no token is forced")
     eos = model.tokenizer.eos_token_id
     out = model.decode(prompts, "ar", 1.0, batch)
     width = max(len(r) for r in out.responses)
     resp = torch.tensor([r + [eos] * (width - len(r)) for r in out.responses])
-    forced = forced_tokens(model.follow, model.unique, pad_prompts(prompts, model.model)[0], resp)
+    forced = forced_tokens(follow, unique, pad_prompts(prompts, model.model)[0], resp)
     return {
         "lists": len(prompts),
         "tokens_per_list": sum(len(r) for r in out.responses) / len(prompts),

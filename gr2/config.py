@@ -108,8 +108,10 @@ class TrainConfig:
 class DiffusionConfig:
     block_size: int = 8
     taus: tuple[float, ...] = (1.0, 0.9, 0.6, 0.4)
-    # The operating tau: the gate judges the student there, its bundle records it and serving decodes at it by
-    # default. 0.9 is the papers' parity point; every default tau in the code is this one (profiles set their own).
+    # The operating tau: the gate judges the student there, its bundle records it (reranker.json "tau", read by
+    # BundleConfig.operating_tau into GenerativeReranker.tau) and serving decodes at it by default; a decode or
+    # rank call with tau None means it. 0.9 is the papers' parity point; every default tau in the code is this
+    # one (profiles set their own).
     eval_tau: float = 0.9
     # The spec decoder's draft threshold. spec's output is AR's whatever the draft (gr2/decode.py spec_generate), so
     # this only trades draft forwards against verifier forwards: chosen on validation speed (docs/RESULTS.md,

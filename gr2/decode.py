@@ -55,7 +55,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from gr2.model import attention_rows, model_config, position_ids_for
-from gr2.rules import Rules, Slots, TraceRule, one_of_each, rule_bans, single_label
+from gr2.rules import NO_RULES, DecodeRules, Rules, Slots, one_of_each, rule_bans, single_label
 
 
 def left_pad(
@@ -137,15 +137,14 @@ def start(
     max_new_tokens: int,
     empty: int,
     eos_id: int | None,
-    unique: torch.Tensor | None = None,
-    follow: TraceRule | None = None,
+    rules: DecodeRules = NO_RULES,
 ) -> Decoding:
     """The state of a decoding call: the prompts left-padded for `model`, then max_new_tokens of `empty` (what
     an undecoded position holds: the mask for diffusion), and the rules for these prompts."""
     ids, pad_lens = pad_prompts(prompts, model)
     seq = torch.cat([ids, torch.full((len(ids), max_new_tokens), empty, device=ids.device)], dim=1)
     fill = eos_id if eos_id is not None else empty  # (without an eos no row finishes: nothing is filled)
-    return Decoding(seq, pad_lens, ids.shape[1], eos_id, fill, Rules.start(unique, follow, ids))
+    return Decoding(seq, pad_lens, ids.shape[1], eos_id, fill, Rules.start(rules, ids))
 
 
 def check_logprobs(logprobs: torch.Tensor | None, rule: Callable | None, d: Decoding) -> torch.Tensor | None:
@@ -211,20 +210,20 @@ def ar_generate(
     prompts: list[list[int]],
     max_new_tokens: int,
     eos_id: int | None,
+    *,
     pick: PickRule | None = None,
     logprobs: torch.Tensor | None = None,
-    unique: torch.Tensor | None = None,
-    follow: TraceRule | None = None,
+    rules: DecodeRules = NO_RULES,
 ) -> tuple[torch.Tensor, int]:
     """AR decoding with a KV cache, batched with left padding. Returns (tokens [B, max_new_tokens], nfe).
 
     pick: the token choice from the last logits (default greedy arg-max, no log-probs computed).
     logprobs: optional output [B, max_new_tokens] (needs `pick`): each decoded token's log-prob as returned
     by `pick`, 0 for the eos filler written after a row finished.
-    unique: token ids written at most once per row; follow: the answer follows the trace (gr2/rules.py).
+    rules: the token ids written at most once per row and whether the answer follows the trace (gr2/rules.py).
     """
     empty = eos_id if eos_id is not None else model_pad_id(model)  # the tail once every row has finished
-    d = start(model, prompts, max_new_tokens, empty, eos_id, unique, follow)
+    d = start(model, prompts, max_new_tokens, empty, eos_id, rules)
     d.logprobs = check_logprobs(logprobs, pick, d)
     cache = DynamicCache()
 
@@ -537,10 +536,10 @@ def diffusion_generate(
     tau: float,
     mask_id: int,
     eos_id: int | None,
+    *,
     commit_fn: CommitRule | None = None,
     logprobs: torch.Tensor | None = None,
-    unique: torch.Tensor | None = None,
-    follow: TraceRule | None = None,
+    rules: DecodeRules = NO_RULES,
 ) -> tuple[torch.Tensor, int, torch.Tensor]:
     """Block-diffusion decoding with threshold commits (greedy by default). Returns (tokens, nfe, trajectory).
 
@@ -555,9 +554,9 @@ def diffusion_generate(
     commit_fn: the commit rule, called as commit_fn(shifted logits, masked, tau) -> (commit, tokens, log-probs)
     (default `select_commits`, no log-probs computed). logprobs: optional output [B, max_new_tokens] (needs
     `commit_fn`): each committed token's log-prob as returned by the rule, 0 where trajectory is -1.
-    unique, follow: gr2/rules.py.
+    rules: gr2/rules.py.
     """
-    d = start(model, prompts, max_new_tokens, mask_id, eos_id, unique, follow)
+    d = start(model, prompts, max_new_tokens, mask_id, eos_id, rules)
     d.logprobs = check_logprobs(logprobs, commit_fn, d)
     rounds = CachedLogits(model, d, block_size, row_subsets=True)
     block_loop(d, block_size, Commit(tau, commit_fn, eos_id), rounds)
@@ -633,8 +632,8 @@ def spec_generate(
     tau: float,
     mask_id: int,
     eos_id: int | None,
-    unique: torch.Tensor | None = None,
-    follow: TraceRule | None = None,
+    *,
+    rules: DecodeRules = NO_RULES,
 ) -> tuple[torch.Tensor, int, int]:
     """Lossless speculative decoding: `ar_generate(verifier, ...)`'s tokens, with a block-diffusion draft.
 
@@ -642,10 +641,10 @@ def spec_generate(
     `diffusion_generate`) and the `verifier`'s `Verification` as the hook. Returns (tokens [B, max_new_tokens],
     nfe = draft plus verifier forwards, prefills included, verifier forwards).
 
-    unique, follow (gr2/rules.py): the draft and the verifier's arg-max both obey them, so the output is
-    `ar_generate(..., unique=unique, follow=follow)`'s.
+    rules (gr2/rules.py): the draft and the verifier's arg-max both obey them, so the output is
+    `ar_generate(..., rules=rules)`'s.
     """
-    d = start(verifier, prompts, max_new_tokens, mask_id, eos_id, unique, follow)
+    d = start(verifier, prompts, max_new_tokens, mask_id, eos_id, rules)
     drafts = CachedLogits(draft, d, block_size, row_subsets=False)
     verify = Verification(verifier, d)
     block_loop(d, block_size, Commit(tau), drafts, verify)

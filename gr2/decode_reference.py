@@ -25,7 +25,7 @@ from gr2.decode import (
     start,
 )
 from gr2.model import block_causal_mask
-from gr2.rules import Rules, Slots, TraceRule, block_slots
+from gr2.rules import NO_RULES, DecodeRules, Rules, Slots, block_slots
 
 
 class FreshRules(Rules):
@@ -46,14 +46,14 @@ def ar_generate_nocache(
     prompts: list[list[int]],
     max_new_tokens: int,
     eos_id: int | None,
+    *,
     pick: PickRule | None = None,
     logprobs: torch.Tensor | None = None,
-    unique: torch.Tensor | None = None,
-    follow: TraceRule | None = None,
+    rules: DecodeRules = NO_RULES,
 ) -> tuple[torch.Tensor, int]:
     """`ar_generate` re-running the whole sequence every step."""
     empty = eos_id if eos_id is not None else model_pad_id(model)
-    d = start(model, prompts, max_new_tokens, empty, eos_id, unique, follow)
+    d = start(model, prompts, max_new_tokens, empty, eos_id, rules)
     d.logprobs = check_logprobs(logprobs, pick, d)
 
     def step(d: Decoding, t: int) -> torch.Tensor:
@@ -97,14 +97,14 @@ def diffusion_generate_nocache(
     tau: float,
     mask_id: int,
     eos_id: int | None,
+    *,
     commit_fn: CommitRule | None = None,
     logprobs: torch.Tensor | None = None,
-    unique: torch.Tensor | None = None,
-    follow: TraceRule | None = None,
+    rules: DecodeRules = NO_RULES,
 ) -> tuple[torch.Tensor, int, torch.Tensor]:
     """`diffusion_generate` re-running prompt + finished blocks + canvas every round, with `FreshRules`."""
     d = start(model, prompts, max_new_tokens, mask_id, eos_id)
-    d.rules = FreshRules.start(unique, follow, d.seq[:, : d.P])
+    d.rules = FreshRules.start(rules, d.seq[:, : d.P])
     d.logprobs = check_logprobs(logprobs, commit_fn, d)
     block_loop(d, block_size, Commit(tau, commit_fn, eos_id), FullLogits(model, block_size))
     return d.resp.clone(), d.nfe, d.traj

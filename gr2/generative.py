@@ -5,10 +5,11 @@ One code path turns (history, candidates) into a ranking for evaluation and for 
     evidence features (served item tables) -> buckets -> prompt tokens -> AR or block-diffusion decoding
     -> parse the JSON answer -> ranking, or the upstream order when the output is invalid (counted).
 
-Bundle layout (written by `save_bundle`, read by `load_reranker` through the "generative" kind):
+Bundle layout (written by `save_bundle`, read by `load_bundle`, and by `load_reranker` through the "generative"
+kind; in memory a `Bundle`):
 
-    reranker.json     kind, name, n_candidates, block_size (0 = AR), tau and spec_tau (diffusion), max_new_tokens,
-                      lineage, verifier
+    reranker.json     a `BundleConfig`: kind, name, n_candidates, block_size (0 = AR), tau and spec_tau
+                      (diffusion), max_new_tokens, prompt, cold_start, lineage, verifier
     model/            save_pretrained (safetensors) + gr2_model.json
     verifier/         (diffusion students from OPD on) the AR teacher, as model/: the "spec" decoder's verifier
     tokenizer/        the closed-vocabulary HF tokenizer
@@ -23,7 +24,7 @@ import json
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -52,13 +53,112 @@ from gr2.prompt import (
     response_trace,
     score_token,
 )
-from gr2.rules import TraceRule
+from gr2.rules import DecodeRules, TraceRule
 from gr2.sid import SemanticIds
 from gr2.teacher import Teacher
 from gr2.tokenizer import load_tokenizer
 
 KIND = "generative"
 COLD_START = "cold_start"  # RankResult.ranker of a ranking the cold-start ranker made
+
+
+@dataclass(frozen=True)
+class BundlePrompt:
+    """reranker.json's "prompt": how the bundle renders prompts and which rules its decoders apply (the profile's
+    PromptConfig it was trained with). The defaults are what a bundle written before a key existed meant."""
+
+    n_buckets: int = 4
+    max_labels: int = 26
+    score_levels: int = 8
+    item_tokens: str = "all"
+    unique_labels: bool = False  # bundles before the permutation rule: no rule
+    follow_trace: bool = False  # bundles before the trace rule: no rule
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BundlePrompt:
+        """An unknown key is an error: a prompt option this code does not know is one it cannot render."""
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"{CONFIG_FILE}: unknown prompt keys {unknown}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class BundleConfig:
+    """reranker.json of a generative bundle. Each default is written once, here: it is what a bundle written
+    before its key existed meant, so every bundle on disk loads (`from_dict`).
+
+    Keys this class does not name (lineage of an older or newer writer) are kept in `extra` and written back as
+    read: nothing decodes from them, so they never stop a bundle from loading. An unknown "prompt" key does
+    (`BundlePrompt.from_dict`), and so does a missing max_new_tokens (no default could be right)."""
+
+    max_new_tokens: int
+    kind: str = KIND
+    name: str = KIND
+    n_candidates: int = 10
+    block_size: int = 0  # 0: AR (`save_bundle` writes the model's)
+    # The operating commit threshold (gr2/stages/train_stages.py convert: the profile's diffusion.eval_tau) and
+    # spec's draft threshold (diffusion.spec_tau): serving's default taus. None: not recorded (`operating_tau`).
+    tau: float | None = None
+    spec_tau: float | None = None
+    batch_size: int = 32  # `GenerativeReranker.decode`'s batch
+    prompt: BundlePrompt = BundlePrompt()
+    cold_start: dict | None = (
+        None  # the cold-start ranker (Teacher.to_dict); None: the model decodes everyone
+    )
+    verifier: str | None = None  # the folder of spec's verifier (VERIFIER_DIR), None without one
+    # Lineage: how the bundle was made (model cards and stage summaries read it; no decoder does)
+    stage: str | None = None
+    variant: str | None = None
+    profile: str | None = None
+    parent: str | None = None
+    teacher: str | None = None
+    direction: str | None = None
+    train: dict | None = None
+    cft_targets: dict | None = None
+    rl_config: dict | None = None
+    validation: dict | None = None
+    extra: dict = field(default_factory=dict)  # keys this class does not name (docstring)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BundleConfig:
+        if "max_new_tokens" not in d:
+            raise ValueError(f"{CONFIG_FILE}: no max_new_tokens")
+        named = {f.name for f in fields(cls)} - {"extra"}
+        kw = {k: v for k, v in d.items() if k in named and k != "prompt"}
+        extra = {k: v for k, v in d.items() if k not in named}
+        return cls(**kw, prompt=BundlePrompt.from_dict(d.get("prompt") or {}), extra=extra)
+
+    def to_dict(self) -> dict:
+        """The JSON object: every field that is set (None ones left out), `extra` back at the top level."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        out["prompt"] = asdict(self.prompt)
+        return {k: v for k, v in out.items() if v is not None} | self.extra
+
+    def operating_tau(self) -> float | None:
+        """The tau a diffusion request without one decodes at: the recorded one, else (bundles before it was
+        recorded) the profile default diffusion.eval_tau. None for AR models."""
+        if self.block_size < 1:
+            return None
+        return DiffusionConfig.eval_tau if self.tau is None else self.tau
+
+    def draft_tau(self) -> float | None:
+        """spec's draft tau when a request names none: the recorded one, else diffusion.spec_tau's default."""
+        if self.block_size < 1:
+            return None
+        return DiffusionConfig.spec_tau if self.spec_tau is None else self.spec_tau
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A generative bundle in memory: what `load_bundle` reads and `save_bundle` writes (module docstring)."""
+
+    model: PreTrainedModel
+    tokenizer: Any
+    sids: SemanticIds
+    evidence: Evidence
+    config: BundleConfig
+    verifier: PreTrainedModel | None = None  # the AR model spec's draft is checked by (verifier/)
 
 
 class Answer(NamedTuple):
@@ -89,52 +189,26 @@ class GenerativeReranker:
 
     kind = KIND
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: Any,
-        sids: SemanticIds,
-        evidence: Evidence,
-        config: dict,
-        verifier: PreTrainedModel | None = None,
-    ):
-        self.model, self.tokenizer, self.sids, self.evidence = model, tokenizer, sids, evidence
-        self.verifier = verifier
-        self.config = config
-        self.name = str(config.get("name", KIND))
-        self.n_candidates = int(config.get("n_candidates", 10))
-        self.block_size = int(config.get("block_size", 0))
-        # The operating commit threshold (gr2/stages/train_stages.py convert): serving's default tau for this
-        # model. None for AR models; 0.9 for diffusion bundles written before it was recorded.
-        self.tau = None if self.block_size < 1 else float(config.get("tau", 0.9))
-        # The spec decoder's draft threshold (the same convert step): serving's default tau for spec requests.
-        self.spec_tau = (
-            None if self.block_size < 1 else float(config.get("spec_tau", DiffusionConfig.spec_tau))
+    def __init__(self, bundle: Bundle):
+        self.bundle = bundle
+        self.model, self.tokenizer, self.sids, self.evidence = (
+            bundle.model,
+            bundle.tokenizer,
+            bundle.sids,
+            bundle.evidence,
         )
-        self.max_new_tokens = int(config["max_new_tokens"])
-        self.batch_size = int(config.get("batch_size", 32))
-        # The ranker of users without usable history (gr2/stages/prepare.py fit_cold_start; bundles before it:
-        # none, the model decodes every request)
-        self.cold_start = Teacher.from_dict(config["cold_start"]) if config.get("cold_start") else None
-        prompt = config.get("prompt", {})
-        self.item_tokens = str(prompt.get("item_tokens", "all"))  # bundles before it: "all"
-        # The answer labels every decoder writes at most once (bundles before it: no such rule).
-        self.unique = None
-        self.follow = None  # the answer follows the trace (bundles before it: no such rule)
-        k = range(int(prompt.get("max_labels", 26)))
-        self.label_ids = frozenset(tokenizer.convert_tokens_to_ids([label_token(i) for i in k]))
-        if prompt.get("unique_labels", False):
-            self.unique = torch.tensor(tokenizer.convert_tokens_to_ids([answer_label_token(i) for i in k]))
-            if prompt.get("follow_trace", False):
-                self.follow = TraceRule(
-                    labels=torch.tensor(tokenizer.convert_tokens_to_ids([label_token(i) for i in k])),
-                    levels=torch.tensor(
-                        tokenizer.convert_tokens_to_ids(
-                            [score_token(v) for v in range(int(prompt.get("score_levels", 8)))]
-                        )
-                    ),
-                    head=len(tokenizer(ANSWER_HEAD, add_special_tokens=False)["input_ids"]),
-                )
+        self.verifier = bundle.verifier
+        config = self.config = bundle.config
+        self.name, self.n_candidates, self.block_size = config.name, config.n_candidates, config.block_size
+        self.tau = config.operating_tau()  # serving's default tau for this model (None: AR)
+        self.spec_tau = config.draft_tau()  # and for its spec requests
+        self.max_new_tokens, self.batch_size = config.max_new_tokens, config.batch_size
+        # The ranker of users without usable history (gr2/stages/prepare.py fit_cold_start)
+        self.cold_start = Teacher.from_dict(config.cold_start) if config.cold_start else None
+        self.item_tokens = config.prompt.item_tokens
+        self.rules = decode_rules(self.tokenizer, config.prompt)  # what every decoder of this model applies
+        k = range(config.prompt.max_labels)
+        self.label_ids = frozenset(self.tokenizer.convert_tokens_to_ids([label_token(i) for i in k]))
 
     @property
     def decoders(self) -> tuple[str, ...]:
@@ -146,7 +220,7 @@ class GenerativeReranker:
     def with_verifier(self, verifier: PreTrainedModel, name: str) -> GenerativeReranker:
         """The same model (shared, not copied) with another verifier and name."""
         return GenerativeReranker(
-            self.model, self.tokenizer, self.sids, self.evidence, {**self.config, "name": name}, verifier
+            replace(self.bundle, config=replace(self.config, name=name), verifier=verifier)
         )
 
     # ------------------------------------------------------------------ the Reranker protocol
@@ -154,10 +228,11 @@ class GenerativeReranker:
         return item_id in self.sids.codes
 
     def rank(
-        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float = DiffusionConfig.eval_tau
+        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float | None = None
     ) -> list[RankResult]:
         """Rankings of lists of any lengths 2..N in one call (the decoder pads prompts; evidence pads lists). A
-        request without one known history id goes to the cold-start ranker when the bundle has one."""
+        request without one known history id goes to the cold-start ranker when the bundle has one. tau: as
+        `decode`'s."""
         cold = [
             self.cold_start is not None and not any(h in self.sids.codes for h in r.history) for r in requests
         ]
@@ -166,7 +241,9 @@ class GenerativeReranker:
         cold_ranked = iter(self.cold_rank([r for r, c in zip(requests, cold, strict=True) if c]))
         return [next(cold_ranked) if c else next(decoded) for c in cold]
 
-    def decode_requests(self, requests: list[RankRequest], decoder: str, tau: float) -> list[RankResult]:
+    def decode_requests(
+        self, requests: list[RankRequest], decoder: str, tau: float | None
+    ) -> list[RankResult]:
         """The model's own rankings."""
         prompts = self.encode_prompts([r.history for r in requests], [r.candidates for r in requests])
         out = self.decode(prompts, decoder, tau)
@@ -254,17 +331,20 @@ class GenerativeReranker:
         self,
         prompts: list[list[int]],
         decoder: str = "diffusion",
-        tau: float = DiffusionConfig.eval_tau,
+        tau: float | None = None,
         batch_size: int | None = None,
     ) -> Decoded:
         """Decode prompts in batches of `batch_size`; decoder "ar", "diffusion" (needs block_size > 0) or "spec"
-        (also needs a verifier; tau is the draft's)."""
+        (also needs a verifier; tau is the draft's). tau None: this model's own, the operating tau its bundle
+        records (`BundleConfig.operating_tau`; spec: its draft tau); AR decodes without one."""
         if decoder not in DECODERS:
             raise ValueError(f"decoder must be one of {list(DECODERS)}, got {decoder!r}")
         if decoder != "ar" and self.block_size < 1:
             raise ValueError(f"{self.name} is an AR model (block_size 0): use decoder='ar'")
         if decoder == "spec" and self.verifier is None:
             raise ValueError(f"{self.name} has no verifier (bundle without verifier/): 'spec' needs one")
+        if tau is None:
+            tau = {"diffusion": self.tau, "spec": self.spec_tau}.get(decoder) or 1.0  # (AR reads no tau)
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
         batch = batch_size or self.batch_size
@@ -289,17 +369,15 @@ class GenerativeReranker:
         autograd version tracking per op, a share of every small op's cost at batch 1 (docs/RESULTS.md, 'Timing
         noise and speed repeats'). Only evaluation and serving decode here; RL and OPD, which train on what they
         decode, call the decoders directly (an inference-mode tensor cannot be saved for backward)."""
-        eos = self.tokenizer.eos_token_id
+        eos, L, rules = self.tokenizer.eos_token_id, self.max_new_tokens, self.rules
         if decoder == "ar":
-            toks, n = ar_generate(
-                self.model, chunk, self.max_new_tokens, eos, unique=self.unique, follow=self.follow
-            )
+            toks, n = ar_generate(self.model, chunk, L, eos, rules=rules)
             return toks, n, 0
-        blocks = (chunk, self.max_new_tokens, self.block_size, tau, self.tokenizer.mask_token_id, eos)
+        bs, mask = self.block_size, self.tokenizer.mask_token_id
         if decoder == "spec":
             assert self.verifier is not None  # checked by `decode`
-            return spec_generate(self.model, self.verifier, *blocks, unique=self.unique, follow=self.follow)
-        toks, n, _ = diffusion_generate(self.model, *blocks, unique=self.unique, follow=self.follow)
+            return spec_generate(self.model, self.verifier, chunk, L, bs, tau, mask, eos, rules=rules)
+        toks, n, _ = diffusion_generate(self.model, chunk, L, bs, tau, mask, eos, rules=rules)
         return toks, n, 0
 
     def read_answer(self, response: list[int], n: int) -> Answer:
@@ -316,35 +394,49 @@ def _until_eos(row: list[int], eos: int) -> list[int]:
     return row[: row.index(eos) + 1] if eos in row else row
 
 
+def decode_rules(tokenizer: Any, prompt: BundlePrompt) -> DecodeRules:
+    """The rules a bundle's decoders apply (gr2/rules.py): its answer labels written at most once
+    (prompt.unique_labels), and the answer follows the trace (prompt.follow_trace, with unique_labels)."""
+    if not prompt.unique_labels:
+        return DecodeRules()
+    ids = tokenizer.convert_tokens_to_ids
+    k = range(prompt.max_labels)
+    unique = torch.tensor(ids([answer_label_token(i) for i in k]))
+    if not prompt.follow_trace:
+        return DecodeRules(unique)
+    follow = TraceRule(
+        labels=torch.tensor(ids([label_token(i) for i in k])),
+        levels=torch.tensor(ids([score_token(v) for v in range(prompt.score_levels)])),
+        head=len(tokenizer(ANSWER_HEAD, add_special_tokens=False)["input_ids"]),
+    )
+    return DecodeRules(unique, follow)
+
+
 # ---------------------------------------------------------------------- bundles
 
 
-def save_bundle(
-    out_dir: str | Path,
-    model: PreTrainedModel,
-    tokenizer: Any,
-    sids: SemanticIds,
-    evidence: Evidence,
-    config: dict,
-    verifier: PreTrainedModel | None = None,
-) -> Path:
-    """Write a loadable model directory (see the module docstring); `verifier` (an AR model) goes to verifier/."""
+def save_bundle(out_dir: str | Path, bundle: Bundle) -> Path:
+    """Write a loadable model directory (see the module docstring); the verifier (an AR model) goes to
+    verifier/. reranker.json records the model's own block size, and names verifier/ only when it holds one (a
+    parent's config, which stages copy, names no file of this bundle)."""
     out = Path(out_dir)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    save_model(model, out / "model")
-    tokenizer.save_pretrained(str(out / "tokenizer"))
-    sids.save(out / "sids.json")
-    evidence.save(out / "evidence")
-    (out / ITEMS_FILE).write_text("".join(f"{i}\n" for i in sorted(sids.codes)))
-    cfg = {"kind": KIND, **config}
-    cfg["block_size"] = int(getattr(model.config, "gr2_block_size", 0) or 0)
-    cfg.pop(VERIFIER_DIR, None)  # a parent's entry (`config` often copies it) names no file of this bundle
-    if verifier is not None:
-        save_model(verifier, out / VERIFIER_DIR)
-        cfg[VERIFIER_DIR] = VERIFIER_DIR
-    (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, default=str) + "\n")
+    save_model(bundle.model, out / "model")
+    bundle.tokenizer.save_pretrained(str(out / "tokenizer"))
+    bundle.sids.save(out / "sids.json")
+    bundle.evidence.save(out / "evidence")
+    (out / ITEMS_FILE).write_text("".join(f"{i}\n" for i in sorted(bundle.sids.codes)))
+    cfg = replace(
+        bundle.config,
+        kind=KIND,
+        block_size=int(getattr(bundle.model.config, "gr2_block_size", 0) or 0),
+        verifier=None if bundle.verifier is None else VERIFIER_DIR,
+    )
+    if bundle.verifier is not None:
+        save_model(bundle.verifier, out / VERIFIER_DIR)
+    (out / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2, default=str) + "\n")
     return out
 
 
@@ -354,16 +446,16 @@ def bundle_dir(path: str | Path) -> Path:
     return p / "bundle" if (p / "bundle" / CONFIG_FILE).exists() else p
 
 
-def load_bundle_parts(path: str | Path) -> tuple[PreTrainedModel, Any, SemanticIds, Evidence, dict]:
+def load_bundle(path: str | Path, with_verifier: bool = False) -> Bundle:
+    """The bundle in `path`; its verifier too with `with_verifier` (None when it has none)."""
     path = Path(path)
-    cfg = json.loads((path / CONFIG_FILE).read_text())
-    model, _ = load_model(path / "model")
-    return (
-        model,
-        load_tokenizer(path / "tokenizer"),
-        SemanticIds.load(path / "sids.json"),
-        Evidence.load(path / "evidence"),
-        cfg,
+    return Bundle(
+        model=load_model(path / "model")[0],
+        tokenizer=load_tokenizer(path / "tokenizer"),
+        sids=SemanticIds.load(path / "sids.json"),
+        evidence=Evidence.load(path / "evidence"),
+        config=BundleConfig.from_dict(json.loads((path / CONFIG_FILE).read_text())),
+        verifier=load_verifier(path) if with_verifier else None,
     )
 
 
@@ -375,5 +467,4 @@ def load_verifier(path: str | Path) -> PreTrainedModel | None:
 
 @register_reranker(KIND)
 def _load_generative(path: Path, cfg: dict) -> GenerativeReranker:
-    model, tok, sids, ev, cfg = load_bundle_parts(path)
-    return GenerativeReranker(model, tok, sids, ev, cfg, load_verifier(path))
+    return GenerativeReranker(load_bundle(path, with_verifier=True))

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from gr2.config import DiffusionConfig
-
 CONFIG_FILE = "reranker.json"  # the one file every model directory has; `kind` selects the loader
 ITEMS_FILE = "items.txt"  # the item catalogue, one id per line (what `known_item` answers from)
 VERIFIER_DIR = (
@@ -57,8 +55,11 @@ class Reranker(Protocol):
     def known_item(self, item_id: str) -> bool: ...
 
     def rank(
-        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float = DiffusionConfig.eval_tau
-    ) -> list[RankResult]: ...
+        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float | None = None
+    ) -> list[RankResult]:
+        """tau None: the model's own operating tau (its bundle's; gr2.config.DiffusionConfig.eval_tau when the
+        bundle records none)."""
+        ...
 
 
 class RerankerLoadError(ValueError):
@@ -137,7 +138,7 @@ class FloorReranker:
         return self.items is None or item_id in self.items
 
     def rank(
-        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float = DiffusionConfig.eval_tau
+        self, requests: list[RankRequest], decoder: str = "diffusion", tau: float | None = None
     ) -> list[RankResult]:
         # decoder and tau are accepted for interface compatibility; the floor does not decode.
         return [

@@ -9,15 +9,26 @@
        direction "forward": KL(teacher || student) = sum_v p_T (log p_T - log p_S)  (the paper's write-up)
        direction "reverse": KL(student || teacher) = sum_v p_S (log p_S - log p_T)  (Thinking-Machines / GR2 TR)
    The sources disagree, so the direction is a parameter.
+
+Rules. OPD samples and replays its student under `OPD_RULES`, which are no rules, where RL and every served
+decoder apply `unique` and `follow` (gr2/rules.py). Why: the loss compares the student's full next-token
+distribution with the teacher's, and the teacher's are raw (its forward applies no rules). The ruled logits hold
+-inf at banned tokens, which would make this KL infinite (forward) or NaN (reverse: 0 * -inf). And a rollout
+sampled under the rules but replayed without them is not the student's own (off-policy). So the rules stay a
+decoding constraint that OPD leaves alone. This is what OPD has always done: the rules came after it and changed
+RL's sampler and replay, not OPD's. Changing it would change the `opd` bundles, so it would need new
+bench figures (issue 39).
 """
 
 from __future__ import annotations
 
 import torch
 
-from gr2.rl import RolloutBatch, policy_logits, rollout_batch, sample
+from gr2.rl import RolloutBatch, Sampling, policy_logits, rollout_batch, sample
+from gr2.rules import NO_RULES, DecodeRules
 
 DIRECTIONS = ("forward", "reverse")
+OPD_RULES: DecodeRules = NO_RULES  # the rules OPD samples and replays its student under (module docstring)
 
 
 @torch.no_grad()
@@ -45,12 +56,18 @@ def sequence_mean(x: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
 
 
 def opd_loss(
-    model: torch.nn.Module, batch: RolloutBatch, block_size: int, mask_id: int | None, direction: str
+    model: torch.nn.Module,
+    batch: RolloutBatch,
+    block_size: int,
+    mask_id: int | None,
+    direction: str,
+    rules: DecodeRules = OPD_RULES,
 ) -> tuple[torch.Tensor, dict]:
-    """Per-token KL between the replayed student and the cached teacher, on the committed tokens."""
+    """Per-token KL between the replayed student and the cached teacher, on the committed tokens. `rules`: the
+    ones the rollouts were sampled under (`OPD_RULES`)."""
     if batch.teacher_logprobs is None:
         raise ValueError("the batch carries no teacher log-probs (build it with make_opd_batch)")
-    student_lp = policy_logits(model, batch, block_size, mask_id).float().log_softmax(-1)
+    student_lp = policy_logits(model, batch, block_size, mask_id, rules).float().log_softmax(-1)
     kl = kl_per_token(student_lp, batch.teacher_logprobs, direction)
     loss = sequence_mean(kl, batch.scored)
     with torch.no_grad():
@@ -69,18 +86,14 @@ def make_opd_batch(
     teacher: torch.nn.Module,
     prompts: list[list[int]],
     rollouts_per_prompt: int,
-    max_new_tokens: int,
-    block_size: int,
-    mask_id: int,
-    eos_id: int,
-    tau: float,
-    temperature: float,
+    how: Sampling,
     generator: torch.Generator | None,
 ) -> RolloutBatch:
-    """Sample G' student rollouts per prompt, then cache the teacher's log-probs on them (one forward)."""
+    """Sample G' student rollouts per prompt (`how`: OPD's stage samples under `OPD_RULES`), then cache the
+    teacher's log-probs on them (one forward)."""
     rep = [p for p in prompts for _ in range(rollouts_per_prompt)]
-    ro = sample(student, rep, max_new_tokens, block_size, eos_id, mask_id, tau, temperature, generator)
-    batch = rollout_batch(ro, eos_id)
+    ro = sample(student, rep, how, generator)
+    batch = rollout_batch(ro, how.eos_id)
     batch.teacher_logprobs = teacher_logprobs(teacher, batch)
     batch.stats["nfe"] = ro.nfe
     return batch

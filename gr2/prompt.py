@@ -192,6 +192,7 @@ def encode_example(
     ranking: Sequence[int],
     trace: str | None = None,
     feature_names: Sequence[str] | None = None,
+    *,
     answer_weight: float = 1.0,
     trace_weight: float = 0.5,
     item_tokens: str = "all",

@@ -27,17 +27,16 @@ their number. A scored token = a committed token at or before the row's first eo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from gr2.config import DiffusionConfig
 from gr2.decode import ar_generate, diffusion_generate, pad_prompts, threshold_commits
 from gr2.losses import Batch, certainty_entropy, diffusion_logits, sample_masks
 from gr2.model import block_causal_mask, decoder_and_head, position_ids_for
-from gr2.rules import Slots, TraceRule, answer_slots, ban_repeats, keep_slots
+from gr2.rules import NO_RULES, DecodeRules, Slots, TraceRule, answer_slots, ban_repeats, keep_slots
 
 
 @dataclass
@@ -79,18 +78,15 @@ class RolloutBatch(Batch):
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         t = self.teacher_logprobs
-        return RolloutBatch(
-            self.input_ids.to(device),
-            self.weights.to(device),
-            self.pad_lens.to(device),
-            self.prompt_len,
-            self.n_tokens,
-            self.traj.to(device),
-            self.old_logprobs.to(device),
-            self.advantages.to(device),
-            None if t is None else t.to(device),
-            self.step,
-            self.stats,
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            weights=self.weights.to(device),
+            pad_lens=self.pad_lens.to(device),
+            traj=self.traj.to(device),
+            old_logprobs=self.old_logprobs.to(device),
+            advantages=self.advantages.to(device),
+            teacher_logprobs=None if t is None else t.to(device),
         )
 
     @property
@@ -140,19 +136,17 @@ def sample_ar(
     prompts: list[list[int]],
     max_new_tokens: int,
     eos_id: int,
+    *,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
-    unique: torch.Tensor | None = None,
-    follow: TraceRule | None = None,
+    rules: DecodeRules = NO_RULES,
 ) -> Rollouts:
     """AR sampling: `ar_generate` (KV cache) with `_pick` as the token choice; temperature 0 = greedy."""
     ids, pad_lens = pad_prompts(prompts, model)  # the decoder's own layout, kept in the Rollouts
     dev = ids.device
     lps = torch.zeros(len(prompts), max_new_tokens, device=dev)
     pick = partial(_pick, temperature=temperature, gen=generator)
-    tokens, nfe = ar_generate(
-        model, prompts, max_new_tokens, eos_id, pick=pick, logprobs=lps, unique=unique, follow=follow
-    )
+    tokens, nfe = ar_generate(model, prompts, max_new_tokens, eos_id, pick=pick, logprobs=lps, rules=rules)
     # AR decodes every column up to its row's first eos, column t at step t; later columns are eos filler.
     decoded = scored_positions(tokens, torch.zeros_like(tokens), eos_id)
     traj = torch.where(decoded, torch.arange(max_new_tokens, device=dev).expand_as(tokens), -1)
@@ -178,10 +172,10 @@ def sample_diffusion(
     tau: float,
     mask_id: int,
     eos_id: int,
+    *,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
-    unique: torch.Tensor | None = None,
-    follow: TraceRule | None = None,
+    rules: DecodeRules = NO_RULES,
 ) -> Rollouts:
     """Block-diffusion sampling: `diffusion_generate` (cached: same rounds, anchors, nfe and trajectory) with
     `sample_commits` as the commit rule. temperature 0 reproduces `diffusion_generate` exactly."""
@@ -199,44 +193,48 @@ def sample_diffusion(
         eos_id=eos_id,
         commit_fn=commit_fn,
         logprobs=lps,
-        unique=unique,
-        follow=follow,
+        rules=rules,
     )
     return Rollouts(ids, pad_lens, tokens, traj, lps, nfe)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How `sample` draws a model's rollouts: its own decoder (block_size 0: AR), the response budget and special
+    tokens, block diffusion's commit threshold, the temperature, and the decoding rules (gr2/rules.py), which
+    `policy_logits` must then replay with."""
+
+    max_new_tokens: int
+    block_size: int  # 0: AR sampling
+    eos_id: int
+    mask_id: int | None = None  # block diffusion's mask token
+    tau: float | None = None  # block diffusion's commit threshold (RLConfig.tau, OPDConfig.tau)
+    temperature: float = 1.0
+    rules: DecodeRules = NO_RULES
+
+
 def sample(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    block_size: int,
-    eos_id: int,
-    mask_id: int | None = None,
-    tau: float = DiffusionConfig.eval_tau,
-    temperature: float = 1.0,
-    generator: torch.Generator | None = None,
-    unique: torch.Tensor | None = None,
-    follow: TraceRule | None = None,
+    model: torch.nn.Module, prompts: list[list[int]], how: Sampling, generator: torch.Generator | None = None
 ) -> Rollouts:
-    """The model's own decoder, sampling: AR for block_size 0, block diffusion otherwise. unique, follow: the
-    tokens written at most once per row, the answer follows the trace (gr2/rules.py); `policy_logits` must then
-    replay with the same."""
-    if block_size <= 0:
-        return sample_ar(model, prompts, max_new_tokens, eos_id, temperature, generator, unique, follow)
-    if mask_id is None:
-        raise ValueError("block diffusion sampling needs mask_id")
+    """The model's own decoder, sampling per `how`: AR for block_size 0, block diffusion otherwise."""
+    T, gen, rules = how.temperature, generator, how.rules
+    if how.block_size <= 0:
+        return sample_ar(
+            model, prompts, how.max_new_tokens, how.eos_id, temperature=T, generator=gen, rules=rules
+        )
+    if how.mask_id is None or how.tau is None:
+        raise ValueError("block diffusion sampling needs mask_id and tau")
     return sample_diffusion(
         model,
         prompts,
-        max_new_tokens=max_new_tokens,
-        block_size=block_size,
-        tau=tau,
-        mask_id=mask_id,
-        eos_id=eos_id,
-        temperature=temperature,
-        generator=generator,
-        unique=unique,
-        follow=follow,
+        how.max_new_tokens,
+        how.block_size,
+        how.tau,
+        how.mask_id,
+        how.eos_id,
+        temperature=T,
+        generator=gen,
+        rules=rules,
     )
 
 
@@ -306,15 +304,15 @@ def policy_logits(
     batch: RolloutBatch,
     block_size: int,
     mask_id: int | None = None,
-    unique: torch.Tensor | None = None,
-    follow: TraceRule | None = None,
+    rules: DecodeRules = NO_RULES,
 ) -> torch.Tensor:
     """Logits [B, R, V] the policy assigned to each response token when it was generated (R = batch.resp_len).
 
     block_size 0 (AR): one causal forward. Otherwise trajectory replay (module docstring), one forward.
-    unique (and follow): the rollouts were sampled with it; each token's logits then ban what was committed
-    before it (and what the trace rules out there, once the trace was committed before it)."""
+    rules: the rollouts were sampled with them; each token's logits then ban what was committed before it (and,
+    with `follow`, what the trace rules out there, once the trace was committed before it)."""
     logits = _replay_logits(model, batch, block_size, mask_id)
+    unique, follow = rules.unique, rules.follow
     if unique is None:
         return logits
     tokens = batch.input_ids[:, batch.prompt_len :]
@@ -475,8 +473,7 @@ def grpo_loss(
     clip_eps_high: float | None = None,
     certainty_weight: float = 0.0,
     eos_id: int | None = None,
-    unique: torch.Tensor | None = None,
-    follow: TraceRule | None = None,
+    rules: DecodeRules = NO_RULES,
 ) -> tuple[torch.Tensor, dict]:
     """The RL loss of a rollout batch: replayed (or AR) log-probs -> clipped surrogate, plus
     certainty_weight * `rollout_certainty` (block diffusion only; its noise is seeded by the step, so a resumed
@@ -490,7 +487,7 @@ def grpo_loss(
         loss = torch.stack([p.sum() for p in model.parameters() if p.requires_grad]).sum() * 0.0
         stats = {"clip_frac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0}
     else:
-        logits = policy_logits(model, batch, block_size, mask_id, unique, follow)
+        logits = policy_logits(model, batch, block_size, mask_id, rules)
         lp = token_logprobs(logits, batch.input_ids[:, batch.prompt_len :], temperature)
         loss, stats = clipped_surrogate(
             lp, batch.old_logprobs, batch.advantages, batch.scored, clip_eps, clip_eps_high

@@ -17,7 +17,8 @@ positions precede the labels in the same block, so a round always has something 
 position, so parallel rounds obey it as AR does, and every equivalence holds with it. A slot the rule leaves a
 single label (`single_label`) needs no model at all: gr2/decode.py's `forced_commits`.
 
-`Rules` is one decoding call's state of both rules (which labels each row holds, where its trace ends, its slots);
+`DecodeRules` is the pair every decoder, RL's sampler and its replay take (what travels together); `Rules` is one
+decoding call's state of both rules (which labels each row holds, where its trace ends, its slots);
 the decoders ask it for the bans of a position and for a block's slots.
 """
 
@@ -43,6 +44,22 @@ class TraceRule:
     def n_candidates(self, prompt_ids: torch.Tensor) -> torch.Tensor:
         """[B]: the candidates of each (padded) prompt [B, P], i.e. its label tokens."""
         return torch.isin(prompt_ids, self.labels.to(prompt_ids.device)).sum(-1)
+
+
+@dataclass(frozen=True)
+class DecodeRules:
+    """The rules a decoding call applies: `unique`, the tokens written at most once per row (the answer's labels),
+    and `follow`, the answer follows the trace (needs `unique`). The default applies neither (`NO_RULES`)."""
+
+    unique: torch.Tensor | None = None  # [K]
+    follow: TraceRule | None = None
+
+    def __post_init__(self) -> None:
+        if self.unique is None and self.follow is not None:
+            raise ValueError("follow (the answer follows the trace) needs unique (the answer's label tokens)")
+
+
+NO_RULES = DecodeRules()
 
 
 class Slots(NamedTuple):
@@ -206,15 +223,10 @@ class Rules:
     after: Slots | None = None
 
     @classmethod
-    def start(
-        cls, unique: torch.Tensor | None, follow: TraceRule | None, prompt_ids: torch.Tensor
-    ) -> Rules | None:
-        """The rules for prompts [B, P] (None without `unique`); `follow` needs `unique`."""
+    def start(cls, rules: DecodeRules, prompt_ids: torch.Tensor) -> Rules | None:
+        """The state of `rules` for prompts [B, P] (None without `unique`)."""
+        unique, follow = rules.unique, rules.follow
         if unique is None:
-            if follow is not None:
-                raise ValueError(
-                    "follow (the answer follows the trace) needs unique (the answer's label tokens)"
-                )
             return None
         seen = torch.zeros(len(prompt_ids), len(unique), dtype=torch.bool, device=prompt_ids.device)
         if follow is None:

@@ -256,6 +256,7 @@ def build_sft_records(
     teacher: Teacher,
     tokenizer: Any,
     cfg: Profile,
+    *,
     variant: str = "trace",
     stats: dict | None = None,
 ) -> list[SFTRecord]:
@@ -288,9 +289,9 @@ def build_sft_records(
             ),
             trace,
             feature_names,
-            cfg.sft.answer_weight,
-            cfg.sft.trace_weight,
-            item_tokens,
+            answer_weight=cfg.sft.answer_weight,
+            trace_weight=cfg.sft.trace_weight,
+            item_tokens=item_tokens,
         )
         records.append(SFTRecord(p, resp, w))
         trace_len.append(len(trace.split()) if trace else 0)  # whitespace word-level: one token per word

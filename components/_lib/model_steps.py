@@ -70,7 +70,7 @@ def convert_cft(
 
     prof = as_profile(profile)
     dc = prof.diffusion
-    naive = convert(bundle_dir(ar_dir), dc.block_size, naive_dir, tau=dc.eval_tau, spec_tau=dc.spec_tau)
+    naive = convert(bundle_dir(ar_dir), dc, naive_dir)
     cft = train_cft(naive, SFTData.load(sft_dir), prof, cft_dir)
     return bundle_meta(cft)["train"]
 

@@ -18,7 +18,7 @@ import json
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -29,13 +29,13 @@ import torch
 
 from gr2.candidates import shorten_some
 from gr2.config import OPDConfig, Profile, RLConfig, TrainConfig
-from gr2.generative import GenerativeReranker, load_bundle_parts, load_verifier
+from gr2.generative import GenerativeReranker, load_bundle
 from gr2.losses import Batch
 from gr2.model import add_lora, load_model
-from gr2.opd import make_opd_batch, opd_loss
+from gr2.opd import OPD_RULES, make_opd_batch, opd_loss
 from gr2.reward import response_reward
-from gr2.rl import RolloutBatch, group_advantages, grpo_loss, rollout_batch, sample
-from gr2.rules import TraceRule
+from gr2.rl import RolloutBatch, Sampling, group_advantages, grpo_loss, rollout_batch, sample
+from gr2.rules import NO_RULES, DecodeRules
 from gr2.stages.evaluate import decode_answers
 from gr2.stages.prepare import SFTData
 from gr2.stages.train_stages import write_bundle
@@ -116,8 +116,7 @@ class RLBatches:
     block_size: int  # 0 = AR sampling
     max_new_tokens: int
     seed: int
-    unique: torch.Tensor | None = None  # answer labels written at most once (the serving decoders' rule)
-    follow: TraceRule | None = None  # the answer follows the trace (the serving decoders' rule)
+    rules: DecodeRules = NO_RULES  # the serving decoders' rules (`train_rl`)
 
     def __call__(self, step: int) -> RolloutBatch:
         rc, G = self.rc, self.rc.group_size
@@ -125,19 +124,16 @@ class RLBatches:
         rows_of = [i for i in idx for _ in range(G)]  # prompt index of each rollout
         rep = [self.prompts[i] for i in rows_of]
         t0 = time.perf_counter()
-        ro = sample(
-            self.model,
-            rep,
-            self.max_new_tokens,
-            self.block_size,
-            self.tokenizer.eos_token_id,
-            self.tokenizer.mask_token_id,
-            rc.tau,
-            rc.temperature,
-            _generator(self.seed, step),
-            self.unique,
-            self.follow,
+        how = Sampling(
+            max_new_tokens=self.max_new_tokens,
+            block_size=self.block_size,
+            eos_id=self.tokenizer.eos_token_id,
+            mask_id=self.tokenizer.mask_token_id,
+            tau=rc.tau,
+            temperature=rc.temperature,
+            rules=self.rules,
         )
+        ro = sample(self.model, rep, how, _generator(self.seed, step))
         sample_s = time.perf_counter() - t0
         scored = [
             response_reward(row, self.labels[i], self.sizes[i], self.tokenizer, rc.alpha, self.pre_ranks[i])
@@ -183,18 +179,18 @@ class OPDBatches:
             self.teacher.to(device)
         idx = prompts_for_step(len(self.prompts), oc.prompts_per_step, step, self.seed)
         t0 = time.perf_counter()
+        how = Sampling(
+            max_new_tokens=self.max_new_tokens,
+            block_size=self.block_size,
+            eos_id=self.tokenizer.eos_token_id,
+            mask_id=self.tokenizer.mask_token_id,
+            tau=oc.tau,
+            temperature=oc.temperature,
+            rules=OPD_RULES,  # not the serving decoders' rules: gr2/opd.py says why
+        )
+        prompts = [self.prompts[i] for i in idx]
         batch = make_opd_batch(
-            self.student,
-            self.teacher,
-            [self.prompts[i] for i in idx],
-            oc.rollouts_per_prompt,
-            self.max_new_tokens,
-            self.block_size,
-            self.tokenizer.mask_token_id,
-            self.tokenizer.eos_token_id,
-            oc.tau,
-            oc.temperature,
-            _generator(self.seed, step),
+            self.student, self.teacher, prompts, oc.rollouts_per_prompt, how, _generator(self.seed, step)
         )
         batch.step = step
         batch.stats["sample_s"] = round(time.perf_counter() - t0, 3)
@@ -304,8 +300,9 @@ def train_opd(
     out = Path(out_dir)
     oc = profile.opd
     direction = direction or oc.direction
-    student, tok, sids, ev, cfg = load_bundle_parts(student_bundle)
-    teacher = load_bundle_parts(teacher_bundle)[0]
+    parent = load_bundle(student_bundle)
+    student, tok = parent.model, parent.tokenizer
+    teacher = load_bundle(teacher_bundle).model
     bs = int(student.config.gr2_block_size or 0)
     if bs < 1:
         raise ValueError(f"OPD needs a block-diffusion student; {student_bundle} has block_size {bs}")
@@ -315,7 +312,7 @@ def train_opd(
         raise ValueError("the SFT data and the student bundle have different vocabularies")
     teacher.requires_grad_(False)
     student = add_lora(student, profile.model)
-    rr = GenerativeReranker(student, tok, sids, ev, cfg)
+    rr = GenerativeReranker(replace(parent, model=student))
     prompts = train_prompts(rr, examples, oc.max_prompts, profile.seed, profile.data.short_list_share).ids
     batches = OPDBatches(
         student=student,
@@ -327,20 +324,20 @@ def train_opd(
         max_new_tokens=rr.max_new_tokens,
         seed=profile.seed,
     )
-    fn = partial(opd_loss, block_size=bs, mask_id=tok.mask_token_id, direction=direction)
+    fn = partial(opd_loss, block_size=bs, mask_id=tok.mask_token_id, direction=direction, rules=OPD_RULES)
     res = _run(student, batches, lambda m, b: fn(m, b), _train_cfg(oc, profile.seed), out / "train")
-    meta = {
-        **cfg,
-        "name": "opd",
-        "stage": "opd",
-        "parent": str(student_bundle),
-        "teacher": str(teacher_bundle),
-        "direction": direction,
-        "train": _summary(res, out / "train"),
-    }
-    log.info("train_opd (%s): %s", direction, meta["train"])
+    meta = replace(
+        parent.config,
+        name="opd",
+        stage="opd",
+        parent=str(student_bundle),
+        teacher=str(teacher_bundle),
+        direction=direction,
+        train=_summary(res, out / "train"),
+    )
+    log.info("train_opd (%s): %s", direction, meta.train)
     # The teacher travels with the student: the "spec" decoder's verifier (serving needs both).
-    return write_bundle(out / "bundle", student, tok, sids, ev, meta, verifier=teacher)
+    return write_bundle(out / "bundle", replace(parent, model=student, config=meta, verifier=teacher))
 
 
 def validation_lists(examples: pd.DataFrame, n: int, seed: int) -> pd.DataFrame:
@@ -375,17 +372,18 @@ def train_rl(
     """GRPO/DAPO on training prompts with the GR2 reward; the decoder follows the bundle (AR: profile.ar_rl,
     GR2 stage 3; block diffusion: profile.rl, from the OPD checkpoint). Returns the bundle."""
     out = Path(out_dir)
-    model, tok, sids, ev, cfg = load_bundle_parts(bundle)
+    parent = load_bundle(bundle, with_verifier=True)
+    model, tok = parent.model, parent.tokenizer
     bs = int(model.config.gr2_block_size or 0)
     rc = rl_config(profile, bs)
     model = add_lora(model, profile.model)
     if len(data.tokenizer) != len(tok):
         raise ValueError("the SFT data and the bundle have different vocabularies")
-    rr = GenerativeReranker(model, tok, sids, ev, cfg)
+    rr = GenerativeReranker(replace(parent, model=model))
     prompts = train_prompts(
         rr, examples, rc.max_prompts, profile.seed, profile.data.short_list_share, rc.shuffle_candidates
     )
-    # Rollouts decode as the served model does, so RL optimises the rankings it will serve (rr.unique).
+    # Rollouts decode as the served model does, so RL optimises the rankings it will serve (rr.rules).
     batches = RLBatches(
         model=model,
         prompts=prompts.ids,
@@ -397,8 +395,7 @@ def train_rl(
         block_size=bs,
         max_new_tokens=rr.max_new_tokens,
         seed=profile.seed,
-        unique=rr.unique,
-        follow=rr.follow,
+        rules=rr.rules,
     )
     fn = partial(
         grpo_loss,
@@ -409,8 +406,7 @@ def train_rl(
         clip_eps_high=rc.clip_eps_high,
         certainty_weight=rc.certainty_weight,
         eos_id=tok.eos_token_id,
-        unique=rr.unique,
-        follow=rr.follow,
+        rules=rr.rules,
     )
     val = validation_lists(examples, rc.val_lists, profile.seed)
     decoder = "diffusion" if bs > 0 else "ar"
@@ -420,14 +416,14 @@ def train_rl(
     kept = "parent" if before is not None and after is not None and after < before else "rl"
     if kept == "parent":  # RL lowered recall on lists it never trained on: serve the parent's weights
         model = load_model(Path(bundle) / "model")[0]  # only the weights: the rest is loaded already
-    meta = {
-        **cfg,
-        "name": "rl" if bs > 0 else "ar",
-        "stage": "rl" if bs > 0 else "sft+rl",
-        "parent": str(bundle),
-        "rl_config": asdict(rc),
-        "train": _summary(res, out / "train"),
-        "validation": {"lists": len(val), "recall@1_parent": before, "recall@1_rl": after, "kept": kept},
-    }
-    log.info("train_rl (block_size %d): %s; validation %s", bs, meta["train"], meta["validation"])
-    return write_bundle(out / "bundle", model, tok, sids, ev, meta, verifier=load_verifier(bundle))
+    meta = replace(
+        parent.config,
+        name="rl" if bs > 0 else "ar",
+        stage="rl" if bs > 0 else "sft+rl",
+        parent=str(bundle),
+        rl_config=asdict(rc),
+        train=_summary(res, out / "train"),
+        validation={"lists": len(val), "recall@1_parent": before, "recall@1_rl": after, "kept": kept},
+    )
+    log.info("train_rl (block_size %d): %s; validation %s", bs, meta.train, meta.validation)
+    return write_bundle(out / "bundle", replace(parent, model=model, config=meta))

@@ -144,7 +144,7 @@ def prepare_sft(
     for variant in ("trace", "ar_no_trace"):
         st: dict = {}
         records[variant] = build_sft_records(
-            lists, x_lists, b_lists, names, sids, teacher, tokenizer, profile, variant, st
+            lists, x_lists, b_lists, names, sids, teacher, tokenizer, profile, variant=variant, stats=st
         )
         stats[f"records_{variant}"] = st
     stats["seconds"] = round(time.perf_counter() - t0, 1)

@@ -9,15 +9,15 @@ import dataclasses
 import json
 import logging
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import PreTrainedModel
 
 from gr2.config import DiffusionConfig, Profile, TrainConfig
-from gr2.generative import GenerativeReranker, load_bundle_parts, save_bundle
+from gr2.generative import Bundle, BundleConfig, BundlePrompt, GenerativeReranker, load_bundle, save_bundle
 from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
 from gr2.model import add_lora, build_backbone, convert_to_diffusion, n_params
 from gr2.stages.prepare import SFTData
@@ -41,19 +41,11 @@ def _fit(
     return train(model, batches, loss_fn, cfg, out)
 
 
-def write_bundle(
-    out_dir: str | Path,
-    model: PreTrainedModel,
-    tok,
-    sids,
-    ev,
-    meta: dict,
-    verifier: PreTrainedModel | None = None,
-) -> Path:
+def write_bundle(out_dir: str | Path, bundle: Bundle) -> Path:
     """save_bundle on rank 0 only: a stage may run in N processes (gr2/train.py); every rank waits for it."""
     state = process_state()
     if state.is_main_process:
-        save_bundle(out_dir, model, tok, sids, ev, meta, verifier=verifier)
+        save_bundle(out_dir, bundle)
     state.wait_for_everyone()
     return Path(out_dir)
 
@@ -81,46 +73,43 @@ def train_ar_teacher(data: SFTData, profile: Profile, out_dir: str | Path, varia
     res = _fit(
         model, records, partial(collate, pad_id=tok.pad_token_id), ar_batch_loss, profile.sft, out / "train"
     )
-    meta = {
-        "name": "ar_sft" if variant == "trace" else "ar_no_trace",  # "ar" once RL (GR2 stage 3) ran
-        "stage": "sft",
-        "variant": variant,
-        "n_candidates": profile.data.n_candidates,
-        "prompt": dataclasses.asdict(profile.prompt),  # how the bundle renders prompts (item_tokens, ...)
-        "max_new_tokens": _max_new_tokens(records, 1),
-        "train": _summary(res, model, len(records)),
-        "profile": profile.name,
-    }
-    if data.cold_start is not None:  # every bundle trained from this one carries it (their meta copies this)
-        meta["cold_start"] = data.cold_start.to_dict()
-    log.info("train_ar_teacher %s: %s", variant, meta["train"])
-    return write_bundle(out / "bundle", model, tok, data.sids, data.evidence, meta)
+    meta = BundleConfig(
+        name="ar_sft" if variant == "trace" else "ar_no_trace",  # "ar" once RL (GR2 stage 3) ran
+        stage="sft",
+        variant=variant,
+        n_candidates=profile.data.n_candidates,
+        # how the bundle renders prompts (item_tokens, ...)
+        prompt=BundlePrompt.from_dict(dataclasses.asdict(profile.prompt)),
+        max_new_tokens=_max_new_tokens(records, 1),
+        train=_summary(res, model, len(records)),
+        profile=profile.name,
+        # every bundle trained from this one carries it (their configs copy this one)
+        cold_start=None if data.cold_start is None else data.cold_start.to_dict(),
+    )
+    log.info("train_ar_teacher %s: %s", variant, meta.train)
+    return write_bundle(out / "bundle", Bundle(model, tok, data.sids, data.evidence, meta))
 
 
 def convert(
-    ar_bundle: str | Path,
-    block_size: int,
-    out_dir: str | Path,
-    name: str = "naive",
-    tau: float = DiffusionConfig.eval_tau,
-    spec_tau: float = DiffusionConfig.spec_tau,
+    ar_bundle: str | Path, diffusion: DiffusionConfig, out_dir: str | Path, name: str = "naive"
 ) -> Path:
-    """Naive conversion (docs/PAPER.md, Conversion): copy every AR weight unchanged; only block size and mask token
-    change. `tau` is the students' operating commit threshold (diffusion.eval_tau: the one the gate judges) and
-    `spec_tau` the spec decoder's draft threshold (diffusion.spec_tau), kept in the bundle and every bundle trained
-    from it: serving decodes at them unless a request names another tau."""
-    model, tok, sids, ev, cfg = load_bundle_parts(ar_bundle)
-    student = convert_to_diffusion(model, block_size, tok.mask_token_id)
-    meta = {
-        **cfg,
-        "name": name,
-        "stage": "convert",
-        "parent": str(ar_bundle),
-        "tau": tau,
-        "spec_tau": spec_tau,
-    }
-    meta["max_new_tokens"] = -(-cfg["max_new_tokens"] // block_size) * block_size + block_size
-    return write_bundle(out_dir, student, tok, sids, ev, meta)
+    """Naive conversion (docs/PAPER.md, Conversion): copy every AR weight unchanged; only block size
+    (diffusion.block_size) and mask token change. The bundle, and every bundle trained from it, records the
+    students' operating commit threshold (diffusion.eval_tau: the one the gate judges) as "tau" and the spec
+    decoder's draft threshold (diffusion.spec_tau): serving decodes at them unless a request names another tau."""
+    block_size = diffusion.block_size
+    ar = load_bundle(ar_bundle)
+    student = convert_to_diffusion(ar.model, block_size, ar.tokenizer.mask_token_id)
+    meta = replace(
+        ar.config,
+        name=name,
+        stage="convert",
+        parent=str(ar_bundle),
+        tau=diffusion.eval_tau,
+        spec_tau=diffusion.spec_tau,
+        max_new_tokens=-(-ar.config.max_new_tokens // block_size) * block_size + block_size,
+    )
+    return write_bundle(out_dir, replace(ar, model=student, config=meta))
 
 
 TEACHER_TARGETS = "teacher_targets.pt"
@@ -186,13 +175,14 @@ def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir
     excluded from the loss unless diffusion.pad_weight > 0; complementary masks; block-causal attention +
     token shift. Same loop, batches and checkpointing as SFT."""
     out = Path(out_dir)
-    model, tok, sids, ev, cfg = load_bundle_parts(naive_bundle)
+    naive = load_bundle(naive_bundle)
+    model, tok = naive.model, naive.tokenizer
     dc = profile.diffusion
     bs = int(model.config.gr2_block_size)
     if bs != dc.block_size:
         raise ValueError(f"bundle block_size {bs} != profile diffusion.block_size {dc.block_size}")
     if dc.cft_targets == "teacher":
-        teacher = GenerativeReranker(model, tok, sids, ev, cfg)
+        teacher = GenerativeReranker(naive)
         with (
             process_state().main_process_first()
         ):  # rank 0 decodes and caches; the other ranks read the cache
@@ -220,20 +210,20 @@ def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir
     )
     model = add_lora(model, profile.model)  # after the teacher targets: they are the unchanged model's
     res = _fit(model, records, collate_fn, loss_fn, profile.cft, out / "train")
-    meta = {
-        **cfg,
-        "name": "cft",
-        "stage": "cft",
-        "parent": str(naive_bundle),
-        "train": {
+    meta = replace(
+        naive.config,
+        name="cft",
+        stage="cft",
+        parent=str(naive_bundle),
+        train={
             **_summary(res, model, len(records)),
             "targets": targets["targets"],
             "certainty_weight": dc.certainty_weight,
         },
-        "cft_targets": targets,
-    }
-    log.info("train_cft: %s", meta["train"])
-    return write_bundle(out / "bundle", model, tok, sids, ev, meta)
+        cft_targets=targets,
+    )
+    log.info("train_cft: %s", meta.train)
+    return write_bundle(out / "bundle", replace(naive, model=model, config=meta))
 
 
 def _cft_loss(model, batch, rng, **kw) -> torch.Tensor:

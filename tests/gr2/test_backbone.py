@@ -21,8 +21,8 @@ from gr2.decode import ar_generate, diffusion_generate
 from gr2.decode_reference import ar_generate_nocache, diffusion_generate_nocache
 from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
 from gr2.model import build_backbone, convert_to_diffusion, load_model, save_model
-from gr2.opd import make_opd_batch, opd_loss
-from gr2.rl import grpo_loss, rollout_batch, sample_diffusion
+from gr2.opd import OPD_RULES, make_opd_batch, opd_loss
+from gr2.rl import Sampling, grpo_loss, rollout_batch, sample_diffusion
 from gr2.tokenizer import build_tokenizer
 from gr2.train import BucketedBatches, train
 from tests.gr2.toys import EOS, MASK, PAD, toy_items
@@ -151,7 +151,9 @@ def test_lora_backbone_trains_and_the_diffusion_path_runs_unchanged(pretrained, 
 
     # OPD and GRPO steps through the losses that call model.model / lm_head directly.
     student = add_lora(convert_to_diffusion(load_model(tmp_path / "cft" / "final")[0], BS, MASK), mcfg)
-    batch = make_opd_batch(student, reloaded, prompts[:3], 2, 16, BS, MASK, EOS, 0.5, 1.0, None)
+    batch = make_opd_batch(
+        student, reloaded, prompts[:3], 2, Sampling(16, BS, EOS, MASK, tau=0.5, rules=OPD_RULES), None
+    )
     loss, _ = opd_loss(student, batch, BS, MASK, "reverse")
     loss.backward()
     g = torch.Generator().manual_seed(2)

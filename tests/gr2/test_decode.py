@@ -9,6 +9,7 @@ import gr2.rules as rules
 from gr2.decode import ar_generate, diffusion_generate, select_commits, spec_generate
 from gr2.decode_reference import ar_generate_nocache, diffusion_generate_nocache
 from gr2.model import convert_to_diffusion
+from gr2.rules import DecodeRules
 from tests.gr2.toys import EOS, MASK, toy_items, toy_model, toy_sft_and_cft
 from tests.gr2.trace_toy import ANSWER, ANSWER_IDS, FOLLOW, Scripted, follows, trace_items
 
@@ -239,10 +240,12 @@ def test_unique_tokens_are_written_once_by_every_decoder(models):
     ps = prompts(8)
     assert repeats(ar_generate(ar, ps, 15, EOS)[0]) > 0
     assert repeats(diffusion_generate(diff, ps, 15, BS, 0.5, MASK, EOS)[0]) > 0
-    assert repeats(ar_generate(ar, ps, 15, EOS, unique=UNIQUE)[0]) == 0
+    assert repeats(ar_generate(ar, ps, 15, EOS, rules=DecodeRules(UNIQUE))[0]) == 0
     for tau in (1.0, 0.5, 0.0):  # tau 0 commits a whole block per round: same-round collisions
-        assert repeats(diffusion_generate(diff, ps, 15, BS, tau, MASK, EOS, unique=UNIQUE)[0]) == 0
-    assert repeats(spec_generate(diff, ar, ps, 15, BS, 0.9, MASK, EOS, unique=UNIQUE)[0]) == 0
+        assert (
+            repeats(diffusion_generate(diff, ps, 15, BS, tau, MASK, EOS, rules=DecodeRules(UNIQUE))[0]) == 0
+        )
+    assert repeats(spec_generate(diff, ar, ps, 15, BS, 0.9, MASK, EOS, rules=DecodeRules(UNIQUE))[0]) == 0
 
 
 @pytest.mark.parametrize("tau", [1.0, 0.5, 0.0])
@@ -250,13 +253,13 @@ def test_unique_keeps_the_equivalences(models, tau):
     """cache == no cache, block 1 == AR and spec == AR hold with the permutation rule too."""
     ar, diff = models
     ps = prompts(8)
-    a, _ = ar_generate(ar, ps, 15, EOS, unique=UNIQUE)
-    assert torch.equal(a, ar_generate_nocache(ar, ps, 15, EOS, unique=UNIQUE)[0])
-    assert torch.equal(a, diffusion_generate(ar, ps, 15, 1, tau, MASK, EOS, unique=UNIQUE)[0])
-    assert torch.equal(a, spec_generate(diff, ar, ps, 15, BS, tau, MASK, EOS, unique=UNIQUE)[0])
+    a, _ = ar_generate(ar, ps, 15, EOS, rules=DecodeRules(UNIQUE))
+    assert torch.equal(a, ar_generate_nocache(ar, ps, 15, EOS, rules=DecodeRules(UNIQUE))[0])
+    assert torch.equal(a, diffusion_generate(ar, ps, 15, 1, tau, MASK, EOS, rules=DecodeRules(UNIQUE))[0])
+    assert torch.equal(a, spec_generate(diff, ar, ps, 15, BS, tau, MASK, EOS, rules=DecodeRules(UNIQUE))[0])
     for bs in (3, 4):
-        d, n1, t1 = diffusion_generate(diff, ps, 15, bs, tau, MASK, EOS, unique=UNIQUE)
-        e, _, t2 = diffusion_generate_nocache(diff, ps, 15, bs, tau, MASK, EOS, unique=UNIQUE)
+        d, n1, t1 = diffusion_generate(diff, ps, 15, bs, tau, MASK, EOS, rules=DecodeRules(UNIQUE))
+        e, _, t2 = diffusion_generate_nocache(diff, ps, 15, bs, tau, MASK, EOS, rules=DecodeRules(UNIQUE))
         assert torch.equal(d, e) and torch.equal(t1, t2)
 
 
@@ -376,17 +379,17 @@ def test_every_decoder_answers_by_the_trace_with_follow(trace_models):
     ar, diff = trace_models
     ps = [p for p, _, _ in trace_items(24, 7)]
     outs = {
-        "ar": ar_generate(ar, ps, 24, EOS, unique=ANSWER_IDS)[0],
-        "diffusion": diffusion_generate(diff, ps, 24, BS, 0.5, MASK, EOS, unique=ANSWER_IDS)[0],
+        "ar": ar_generate(ar, ps, 24, EOS, rules=DecodeRules(ANSWER_IDS))[0],
+        "diffusion": diffusion_generate(diff, ps, 24, BS, 0.5, MASK, EOS, rules=DecodeRules(ANSWER_IDS))[0],
     }
     free = [follows(p, r) for name in outs for p, r in zip(ps, outs[name].tolist(), strict=True)]
     assert free.count(True) + free.count(False) >= len(free) // 4 and False in free  # answers that ignore it
     outs = {
-        "ar": ar_generate(ar, ps, 24, EOS, unique=ANSWER_IDS, follow=FOLLOW)[0],
-        "diffusion": diffusion_generate(diff, ps, 24, BS, 0.5, MASK, EOS, unique=ANSWER_IDS, follow=FOLLOW)[
-            0
-        ],
-        "spec": spec_generate(diff, ar, ps, 24, BS, 0.5, MASK, EOS, unique=ANSWER_IDS, follow=FOLLOW)[0],
+        "ar": ar_generate(ar, ps, 24, EOS, rules=DecodeRules(ANSWER_IDS, FOLLOW))[0],
+        "diffusion": diffusion_generate(
+            diff, ps, 24, BS, 0.5, MASK, EOS, rules=DecodeRules(ANSWER_IDS, FOLLOW)
+        )[0],
+        "spec": spec_generate(diff, ar, ps, 24, BS, 0.5, MASK, EOS, rules=DecodeRules(ANSWER_IDS, FOLLOW))[0],
     }
     for name, toks in outs.items():
         got = [follows(p, r) for p, r in zip(ps, toks.tolist(), strict=True)]
@@ -427,7 +430,7 @@ def test_follow_keeps_the_equivalences(trace_models, tau, monkeypatch):
 
     monkeypatch.setattr(dec, "forced_commits", spy)
     ps = [p for p, _, _ in trace_items(12, 8)]
-    kw = {"unique": ANSWER_IDS, "follow": FOLLOW}
+    kw = {"rules": DecodeRules(ANSWER_IDS, FOLLOW)}
     a, _ = ar_generate(ar, ps, 24, EOS, **kw)
     assert torch.equal(a, ar_generate_nocache(ar, ps, 24, EOS, **kw)[0])
     assert torch.equal(a, diffusion_generate(ar, ps, 24, 1, tau, MASK, EOS, **kw)[0])

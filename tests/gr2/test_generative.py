@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from gr2.candidates import attach_candidates, cut_lists
-from gr2.config import load_profile
+from gr2.config import DiffusionConfig, load_profile
 from gr2.data import load_dataset
 from gr2.data.dataset import data_root
 from gr2.data.split import build_targets, train_sequences
-from gr2.generative import Answer, GenerativeReranker
+from gr2.generative import Answer, BundleConfig, BundlePrompt, GenerativeReranker
 from gr2.inference import RankRequest, load_reranker
 from gr2.prompt import label_token, parse_response, parse_trace, response_trace
 from gr2.retriever import CoocRetriever
@@ -64,7 +64,7 @@ def pipeline(tmp_path_factory):
     data.save(root / "sft")
     ar = train_ar_teacher(SFTData.load(root / "sft"), prof, root / "ar")
     dc = prof.diffusion
-    naive = convert(ar, dc.block_size, root / "naive", tau=dc.eval_tau, spec_tau=dc.spec_tau)
+    naive = convert(ar, dc, root / "naive")
     cft = train_cft(naive, data, prof, root / "cft")
     return {
         "prof": prof,
@@ -159,6 +159,12 @@ def test_cft_changes_weights_and_keeps_block_size(pipeline):
     assert any(
         not torch.equal(a, b) for a, b in zip(naive.model.parameters(), cft.model.parameters(), strict=True)
     )
+    # a call that names no tau decodes at the model's own
+    ex = pipeline["examples"].query("split == 'val'").head(4)
+    prompts = cft.encode_prompts(ex["history"].tolist(), ex["candidates"].tolist())
+    own, at_tau = cft.decode(prompts, "diffusion"), cft.decode(prompts, "diffusion", cft.tau)
+    assert own.responses == at_tau.responses and own.nfe == at_tau.nfe
+    assert own.nfe < cft.decode(prompts, "diffusion", 1.0).nfe  # (a tau that matters)
 
 
 def test_cft_trains_on_the_teachers_greedy_responses(pipeline):
@@ -336,3 +342,40 @@ def test_sft_step_in_two_processes_through_torchrun(pipeline, tmp_path):
     ckpt = out / "train" / "checkpoints" / "step_0000003"
     assert json.loads((ckpt / "trainer_state.json").read_text())["world_size"] == 2
     assert (ckpt / "random_states_1.pkl").exists()
+
+
+def test_bundle_config_reads_old_and_new_bundles():
+    """A reranker.json from before a key existed loads with that key's default; keys BundleConfig does not name
+    are kept and written back; an unknown prompt key and a missing max_new_tokens are errors."""
+    old = BundleConfig.from_dict(
+        {"kind": "generative", "max_new_tokens": 40, "block_size": 4, "stage": "cft"}
+    )
+    assert old.prompt == BundlePrompt() and not old.prompt.unique_labels and old.prompt.item_tokens == "all"
+    assert old.operating_tau() == DiffusionConfig.eval_tau and old.draft_tau() == DiffusionConfig.spec_tau
+    assert (old.name, old.n_candidates, old.batch_size, old.cold_start, old.stage) == (
+        "generative",
+        10,
+        32,
+        None,
+        "cft",
+    )
+    ar = BundleConfig.from_dict({"max_new_tokens": 40, "tau": 0.5})
+    assert ar.operating_tau() is None and ar.draft_tau() is None  # AR models decode without a tau
+    raw = {
+        "kind": "generative",
+        "max_new_tokens": 48,
+        "block_size": 8,
+        "tau": 0.6,
+        "spec_tau": 0.3,
+        "prompt": {"item_tokens": "none", "unique_labels": True},
+        "kept": "rl",
+        "train": {"steps": 3},
+    }
+    cfg = BundleConfig.from_dict(raw)
+    assert cfg.extra == {"kept": "rl"} and cfg.operating_tau() == 0.6 and cfg.draft_tau() == 0.3
+    assert BundleConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.to_dict()["kept"] == "rl" and "verifier" not in cfg.to_dict()  # None fields are left out
+    with pytest.raises(ValueError, match="unknown prompt keys"):
+        BundleConfig.from_dict({**raw, "prompt": {"item_tokens": "none", "sparkles": 1}})
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        BundleConfig.from_dict({"kind": "generative"})

@@ -113,7 +113,9 @@ def test_encode_round_trip(tok, trace):
     for _ in range(20):
         hist, cands, buckets = _example(rng, h=int(rng.integers(0, 21)))
         ranking = [int(i) for i in rng.permutation(10)]
-        p, r, w = encode_example(tok, hist, cands, buckets, ranking, trace, FEATURE_NAMES, 1.0, 0.3)
+        p, r, w = encode_example(
+            tok, hist, cands, buckets, ranking, trace, FEATURE_NAMES, answer_weight=1.0, trace_weight=0.3
+        )
         assert p[0] == tok.bos_token_id and r[-1] == tok.eos_token_id and len(r) == len(w)
         n_trace = len(trace.split()) if trace else 0
         assert w[:n_trace] == [0.3] * n_trace and w[n_trace:] == [1.0] * (len(r) - n_trace)

@@ -7,6 +7,7 @@ from gr2.config import load_profile
 from gr2.decode import ar_generate, diffusion_generate
 from gr2.model import convert_to_diffusion
 from gr2.rl import (
+    Sampling,
     _canvases,
     clipped_surrogate,
     group_advantages,
@@ -19,6 +20,7 @@ from gr2.rl import (
     sample_diffusion,
     token_logprobs,
 )
+from gr2.rules import DecodeRules
 from gr2.stages.opd_rl import prompts_for_step, rl_config
 from tests.gr2.toys import EOS, MASK, toy_items, toy_model
 from tests.gr2.trace_toy import ANSWER_IDS, FOLLOW, follows, trace_items
@@ -230,15 +232,17 @@ def test_replay_with_unique_tokens_matches_the_constrained_sampler():
     ar = peaky_model(3.0)
     for model, bs in ((diff, BS), (ar, 0)):
         if bs:
-            ro = sample_diffusion(model, prompts(), 16, bs, 0.1, MASK, EOS, generator=g, unique=unique)
+            ro = sample_diffusion(
+                model, prompts(), 16, bs, 0.1, MASK, EOS, generator=g, rules=DecodeRules(unique)
+            )
         else:
-            ro = sample_ar(model, prompts(), 16, EOS, generator=g, unique=unique)
+            ro = sample_ar(model, prompts(), 16, EOS, generator=g, rules=DecodeRules(unique))
         batch = rollout_batch(ro, EOS)
         resp = batch.input_ids[:, batch.prompt_len :]
         for row, ok in zip(resp.tolist(), batch.scored.tolist(), strict=True):
             body = [t for t, s in zip(row, ok, strict=True) if s and 5 <= t < 24]
             assert len(body) == len(set(body))
-        lp = token_logprobs(policy_logits(model, batch, bs, MASK, unique), resp)
+        lp = token_logprobs(policy_logits(model, batch, bs, MASK, DecodeRules(unique)), resp)
         assert (lp - batch.old_logprobs)[batch.scored].abs().max() < 1e-4
         free = token_logprobs(policy_logits(model, batch, bs, MASK), resp)
         assert (free - batch.old_logprobs)[batch.scored].abs().max() > 1e-3
@@ -251,11 +255,12 @@ def test_replay_with_the_trace_rule_matches_the_constrained_sampler(trace_models
     g = torch.Generator().manual_seed(0)
     ps = [p for p, _, _ in trace_items(16, 5)]
     for model, bs in ((diff, BS), (ar, 0)):
-        ro = sample(model, ps, 24, bs, EOS, MASK, 0.5, 1.0, g, ANSWER_IDS, FOLLOW)
+        how = Sampling(24, bs, EOS, MASK, tau=0.5, temperature=1.0, rules=DecodeRules(ANSWER_IDS, FOLLOW))
+        ro = sample(model, ps, how, g)
         batch = rollout_batch(ro, EOS)
         resp = batch.input_ids[:, batch.prompt_len :]
         assert [follows(p, r) for p, r in zip(ps, ro.tokens.tolist(), strict=True)].count(True) >= 4
-        lp = token_logprobs(policy_logits(model, batch, bs, MASK, ANSWER_IDS, FOLLOW), resp)
+        lp = token_logprobs(policy_logits(model, batch, bs, MASK, DecodeRules(ANSWER_IDS, FOLLOW)), resp)
         assert (lp - batch.old_logprobs)[batch.scored].abs().max() < 1e-4
-        free = token_logprobs(policy_logits(model, batch, bs, MASK, ANSWER_IDS), resp)
+        free = token_logprobs(policy_logits(model, batch, bs, MASK, DecodeRules(ANSWER_IDS)), resp)
         assert (free - batch.old_logprobs)[batch.scored].abs().max() > 1e-3

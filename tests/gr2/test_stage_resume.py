@@ -75,7 +75,7 @@ def bundles(tmp_path_factory):
     data.save(root / "sft")
     examples.to_pickle(root / "examples.pkl")
     ar = train_ar_teacher(data, prof, root / "ar_run")
-    convert(ar, prof.diffusion.block_size, root / "naive")
+    convert(ar, prof.diffusion, root / "naive")
     os.symlink(ar, root / "ar")
     return root
 

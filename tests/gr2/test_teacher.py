@@ -117,7 +117,9 @@ def test_build_sft_records_variants():
     out = {}
     for variant in ("trace", "ar_no_trace"):
         stats: dict = {}
-        recs = build_sft_records(examples, x, b, NAMES, _toy_sids(64), teacher, tok, cfg, variant, stats)
+        recs = build_sft_records(
+            examples, x, b, NAMES, _toy_sids(64), teacher, tok, cfg, variant=variant, stats=stats
+        )
         assert stats["n_records"] == len(recs) == 200  # every list: nothing is dropped
         out[variant] = (recs, stats)
     (rt, st), (ra, sa) = out["trace"], out["ar_no_trace"]
@@ -169,7 +171,7 @@ def test_integration_on_real_slice(tmp_path, item_tokens):
     )
     tok = tokenizer_for(sids, FEATURE_NAMES, cfg.prompt)
     stats: dict = {}
-    recs = build_sft_records(train, x, ev.buckets(x), FEATURE_NAMES, sids, teacher, tok, cfg, "trace", stats)
+    recs = build_sft_records(train, x, ev.buckets(x), FEATURE_NAMES, sids, teacher, tok, cfg, stats=stats)
     assert len(recs) == stats["n_records"] == len(train) > 100
     # <bos> 'candidates' + per candidate its label, evidence buckets (+ SID); "all" adds 'history' + its SIDs.
     per_candidate = 1 + len(FEATURE_NAMES) + (4 if item_tokens != "none" else 0)

@@ -14,6 +14,7 @@ length.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from gr2.config import load_profile
 from gr2.data import load_dataset
 from gr2.data.dataset import data_root
 from gr2.data.split import build_targets, train_sequences
-from gr2.generative import load_bundle_parts, save_bundle
+from gr2.generative import load_bundle, save_bundle
 from gr2.retriever import CoocRetriever
 from gr2.stages.prepare import prepare_sft
 from gr2.stages.train_stages import convert, train_ar_teacher, train_cft
@@ -74,11 +75,11 @@ def train_toy_bundle(out: str | Path, users: set[str]) -> Path:
     data = prepare_sft(examples, ds, prof)
     ar = train_ar_teacher(data, prof, out / "ar")
     dc = prof.diffusion
-    naive = convert(ar, dc.block_size, out / "naive", tau=dc.eval_tau, spec_tau=dc.spec_tau)
+    naive = convert(ar, dc, out / "naive")
     cft = train_cft(naive, data, prof, out / "cft")
-    model, tok, sids, ev, cfg = load_bundle_parts(cft)
-    verifier = load_bundle_parts(ar)[0]
-    return save_bundle(out / "bundle", model, tok, sids, ev, {**cfg, "name": "toy"}, verifier=verifier)
+    student = load_bundle(cft)
+    toy = replace(student, config=replace(student.config, name="toy"), verifier=load_bundle(ar).model)
+    return save_bundle(out / "bundle", toy)
 
 
 def main() -> None:

@@ -56,8 +56,6 @@ def dag(images, tmp_path_factory) -> dict:
         str(data),
         "--profile",
         "smoke",
-        "--runs-dir",
-        str(root),
         "--snapshot-date",
         "2026-01-01",
     ]
@@ -74,6 +72,10 @@ def dag(images, tmp_path_factory) -> dict:
                     *args,
                     "--runner",
                     runner,
+                    # each its own runs folder, so its own artifact store (<runs>/artifacts): in a shared one the
+                    # venv run (root) creates folders the images' user cannot write into (ingest's publish failed)
+                    "--runs-dir",
+                    str(root / runner),
                     "--run-id",
                     runner,
                 ]
@@ -88,6 +90,6 @@ def dag(images, tmp_path_factory) -> dict:
                 proc.wait()
     return {
         "data": data,
-        **{runner: root / runner for runner in procs},
+        **{runner: root / runner / runner for runner in procs},
         "logs": {runner: log.read_text() for runner, (_, log) in procs.items()},
     }

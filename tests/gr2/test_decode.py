@@ -417,8 +417,8 @@ def test_a_label_waits_for_its_trace():
 @pytest.mark.parametrize("tau", [1.0, 0.5, 0.0])
 def test_follow_keeps_the_equivalences(trace_models, tau, monkeypatch):
     """cache == no cache, block 1 == AR and spec == AR hold with the trace rule too; both diffusion loops make the
-    same forced commits, and spec's draft makes some (counted by a spy; test_forced_commits_by_hand says what
-    they are)."""
+    same forced commits, and spec's scripted draft makes some at tau 1.0 (counted by a spy;
+    test_forced_commits_by_hand says what they are)."""
     ar, diff = trace_models
     forced = []
     real = dec.forced_commits
@@ -435,11 +435,8 @@ def test_follow_keeps_the_equivalences(trace_models, tau, monkeypatch):
     assert torch.equal(a, ar_generate_nocache(ar, ps, 24, EOS, **kw)[0])
     assert torch.equal(a, diffusion_generate(ar, ps, 24, 1, tau, MASK, EOS, **kw)[0])
     assert torch.equal(a, spec_generate(diff, ar, ps, 24, BS, tau, MASK, EOS, **kw)[0])
-    # Drafting blocks of 8, spec's draft makes forced commits (the toy's trained block of 4 makes none), and its
-    # output stays AR's.
-    forced.clear()
+    # Drafting blocks of 8, spec's output stays AR's.
     assert torch.equal(a, spec_generate(diff, ar, ps, 24, 8, tau, MASK, EOS, **kw)[0])
-    assert sum(forced) > 0
     forced.clear()
     for bs in (3, 4):
         d, _, t1 = diffusion_generate(diff, ps, 24, bs, tau, MASK, EOS, **kw)
@@ -459,3 +456,8 @@ def test_follow_keeps_the_equivalences(trace_models, tau, monkeypatch):
         assert torch.equal(d, e) and torch.equal(t1, t2)
         assert n_cached > 0 and sum(forced) == 2 * n_cached
         forced.clear()
+    # The same scripted model as spec's draft (blocks of 8): spec's output stays AR's, and at tau 1.0 (one commit per
+    # round) the draft makes forced commits (at 0.5 and 0.0 it made none). The trained toy as the draft made some or
+    # none depending on its training's last bits (a CFT change moved them): a test must not depend on that.
+    assert torch.equal(a, spec_generate(script, ar, ps, 24, 8, tau, MASK, EOS, **kw)[0])
+    assert sum(forced) > 0 or tau < 1.0

@@ -65,7 +65,7 @@ smoke-pretrained: install $(SMOLLM2_GGUF) ## whole DAG on a 40-user slice with t
 		--command "make smoke-pretrained"
 	@# every training stage ran and every model has its row (a gate FAIL is expected after 3 training steps)
 	$(PY) -c 'import json, sys; r = json.load(open("runs/smoke-pretrained/report.json")); \
-	  stages = {"ar_sft", "ar", "ar_no_trace", "cft", "opd", "rl"}; rows = {x["model"] for x in r["rows"]}; \
+	  stages = {"ar_sft", "ar", "cft", "opd", "rl"}; rows = {x["model"] for x in r["rows"]}; \
 	  miss = (stages - set(r["training"])) | (stages | {"teacher", "spec"}) - rows; \
 	  sys.exit(f"smoke-pretrained: no training summary or row for {sorted(miss)}" if miss else 0)'
 

@@ -180,6 +180,11 @@ class PromptConfig:
     # the trace's k-th highest score level (gr2/rules.py `answer_slots`; needs unique_labels). Every decoder, RL's
     # sampler and its replay apply it. Chosen on validation (docs/RESULTS.md, 'Answers that follow their trace').
     follow_trace: bool = True
+    # The response has the shape its list's length n fixes: the trace's n labels in order, one score level each,
+    # the answer's head, n labels with separators, its tail, eos (gr2/rules.py `Layout`; needs unique_labels).
+    # Every decoder, RL's sampler and its replay apply it. Why: a model trained on lists of 10 wrote malformed
+    # answers for lists of 2 (validity 0.689, docs/SERVING.md); with it every answer parses.
+    fixed_layout: bool = True
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from gr2.model import attention_rows, model_config, position_ids_for
-from gr2.rules import NO_RULES, DecodeRules, Rules, Slots, one_of_each, rule_bans, single_label
+from gr2.rules import NO_RULES, DecodeRules, Rules, Slots, one_of_each, single_label
 
 
 def left_pad(
@@ -299,12 +299,13 @@ def commit_round(shifted: torch.Tensor, blk: Block, how: Commit, rules: Rules | 
     c = shifted.shape[1]
     masked = ~blk.committed[:, :c]
     slots = None if blk.slots is None else blk.slots.cols(0, c)
+    if rules is not None:
+        ban = rules.bans(shifted.shape[-1], slots, blk.s0, c)
+        if ban is not None:  # at open positions only: a committed one may have every token banned (its own
+            # label is written; the layout allows only labels there), and a sampler must not see such a row
+            shifted = shifted.masked_fill(ban & masked[..., None], float("-inf"))
     if slots is not None:  # a label waits for its row's trace (gr2/rules.py)
         masked &= ~slots.wait
-    if rules is not None:
-        ban = rule_bans(shifted.shape[-1], rules.seen, slots, rules.unique)
-        if ban is not None:
-            shifted = shifted.masked_fill(ban, float("-inf"))
     # the module global, looked up per round (tests spy on it)
     commit, pred, lp = (select_commits if how.commit_fn is None else how.commit_fn)(shifted, masked, how.tau)
     if rules is not None:  # ban what the response holds already
@@ -582,7 +583,12 @@ class Verification:
         self.n = 1  # verifier forwards, the prefill included
         # The verifier's token for the next block's first position, and the rows where it is exact: the
         # verifier read all their tokens before it.
-        self.first = (self.kv.logits.argmax(-1), torch.ones_like(d.done))
+        first = (
+            self.kv.logits
+            if d.rules is None
+            else d.rules.causal_logits(self.kv.logits[:, None], d.resp, 0)[:, 0]
+        )
+        self.first = (first.argmax(-1), torch.ones_like(d.done))
 
     def __call__(self, d: Decoding, blk: Block) -> None:
         tokens, cl = blk.tokens, blk.tokens.shape[1]

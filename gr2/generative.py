@@ -47,13 +47,14 @@ from gr2.model import load_model, save_model
 from gr2.prompt import (
     ANSWER_HEAD,
     answer_label_token,
+    answer_layout,
     encode_prompt,
     label_token,
     parse_response,
     response_trace,
     score_token,
 )
-from gr2.rules import DecodeRules, TraceRule
+from gr2.rules import DecodeRules, Layout, TraceRule
 from gr2.sid import SemanticIds
 from gr2.teacher import Teacher
 from gr2.tokenizer import load_tokenizer
@@ -73,6 +74,7 @@ class BundlePrompt:
     item_tokens: str = "all"
     unique_labels: bool = False  # bundles before the permutation rule: no rule
     follow_trace: bool = False  # bundles before the trace rule: no rule
+    fixed_layout: bool = False  # bundles before the layout rule: no rule
 
     @classmethod
     def from_dict(cls, d: dict) -> BundlePrompt:
@@ -206,7 +208,8 @@ class GenerativeReranker:
         # The ranker of users without usable history (gr2/stages/prepare.py fit_cold_start)
         self.cold_start = Teacher.from_dict(config.cold_start) if config.cold_start else None
         self.item_tokens = config.prompt.item_tokens
-        self.rules = decode_rules(self.tokenizer, config.prompt)  # what every decoder of this model applies
+        # what every decoder of this model applies
+        self.rules = decode_rules(self.tokenizer, config.prompt, trace=config.variant != "ar_no_trace")
         k = range(config.prompt.max_labels)
         self.label_ids = frozenset(self.tokenizer.convert_tokens_to_ids([label_token(i) for i in k]))
 
@@ -394,22 +397,25 @@ def _until_eos(row: list[int], eos: int) -> list[int]:
     return row[: row.index(eos) + 1] if eos in row else row
 
 
-def decode_rules(tokenizer: Any, prompt: BundlePrompt) -> DecodeRules:
+def decode_rules(tokenizer: Any, prompt: BundlePrompt, trace: bool = True) -> DecodeRules:
     """The rules a bundle's decoders apply (gr2/rules.py): its answer labels written at most once
-    (prompt.unique_labels), and the answer follows the trace (prompt.follow_trace, with unique_labels)."""
+    (prompt.unique_labels), the answer follows the trace (prompt.follow_trace), and the response has the shape
+    its list's length fixes (prompt.fixed_layout; `trace`: the model writes one). Both need unique_labels."""
     if not prompt.unique_labels:
         return DecodeRules()
     ids = tokenizer.convert_tokens_to_ids
     k = range(prompt.max_labels)
     unique = torch.tensor(ids([answer_label_token(i) for i in k]))
-    if not prompt.follow_trace:
-        return DecodeRules(unique)
-    follow = TraceRule(
-        labels=torch.tensor(ids([label_token(i) for i in k])),
-        levels=torch.tensor(ids([score_token(v) for v in range(prompt.score_levels)])),
-        head=len(tokenizer(ANSWER_HEAD, add_special_tokens=False)["input_ids"]),
-    )
-    return DecodeRules(unique, follow)
+    labels = torch.tensor(ids([label_token(i) for i in k]))
+    levels = torch.tensor(ids([score_token(v) for v in range(prompt.score_levels)]))
+    follow = layout = None
+    if prompt.follow_trace:
+        head = len(tokenizer(ANSWER_HEAD, add_special_tokens=False)["input_ids"])
+        follow = TraceRule(labels=labels, levels=levels, head=head)
+    if prompt.fixed_layout:
+        head_ids, sep, tail = answer_layout(tokenizer)
+        layout = Layout(labels, levels if trace else None, torch.tensor(head_ids), sep, torch.tensor(tail))
+    return DecodeRules(unique, follow, layout)
 
 
 # ---------------------------------------------------------------------- bundles

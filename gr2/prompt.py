@@ -178,6 +178,18 @@ def render_answer(ranking_labels: Sequence[int | str]) -> str:
     return f"{ANSWER_HEAD} " + " , ".join(labels) + " ] }"
 
 
+def answer_layout(tokenizer: Any) -> tuple[list[int], int, list[int]]:
+    """The answer's fixed tokens as `encode_example` encodes them: (head, the tokens before the first label; the
+    separator between two labels; tail, the tokens after the last label, eos last). Raises unless labels sit one
+    token apart, the shape the decoders' rules assume (gr2/rules.py)."""
+    ids = _encode(tokenizer, render_answer([0, 1]))
+    a, b = tokenizer.convert_tokens_to_ids([answer_label_token(0), answer_label_token(1)])
+    if ids.count(a) != 1 or ids.count(b) != 1 or ids.index(b) != ids.index(a) + 2:
+        raise ValueError(f"the answer's labels are not one token apart in this tokenizer: {ids}")
+    i = ids.index(a)
+    return ids[:i], ids[i + 1], [*ids[i + 3 :], tokenizer.eos_token_id]
+
+
 def render_response(trace: str | None, ranking_labels: Sequence[int | str]) -> str:
     """Trace (if any) then the answer. ranking_labels: candidate indices (0 = A) or label letters, best first."""
     answer = render_answer(ranking_labels)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from gr2.decode import ar_generate, diffusion_generate, pad_prompts, threshold_commits
 from gr2.losses import Batch, certainty_entropy, diffusion_logits, sample_masks
 from gr2.model import block_causal_mask, decoder_and_head, position_ids_for
-from gr2.rules import NO_RULES, DecodeRules, Slots, TraceRule, answer_slots, ban_repeats, keep_slots
+from gr2.rules import NO_RULES, DecodeRules, Rules, Slots, TraceRule, answer_slots, ban_repeats, keep_slots
 
 
 @dataclass
@@ -310,11 +310,16 @@ def policy_logits(
 
     block_size 0 (AR): one causal forward. Otherwise trajectory replay (module docstring), one forward.
     rules: the rollouts were sampled with them; each token's logits then ban what was committed before it (and,
-    with `follow`, what the trace rules out there, once the trace was committed before it)."""
+    with `follow`, what the trace rules out there, once the trace was committed before it, and with `layout`
+    what the response's shape rules out there)."""
     logits = _replay_logits(model, batch, block_size, mask_id)
     unique, follow = rules.unique, rules.follow
     if unique is None:
         return logits
+    if rules.layout is not None:
+        state = Rules.start(rules, batch.input_ids[:, : batch.prompt_len])
+        assert state is not None  # (rules.unique is set)
+        logits = state.shaped(logits, 0)
     tokens = batch.input_ids[:, batch.prompt_len :]
     seen = committed_before(tokens, batch.traj, unique)
     logits = ban_repeats(logits, seen, unique)

@@ -47,16 +47,73 @@ class TraceRule:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """The response's shape, which its list's length n fixes (module docstring: the layout). Every position is one
+    of: a fixed token (a trace label, the answer's head, a separator, its tail, eos), a score level, or an answer
+    label of the n candidates (`unique[:n]`). Past the eos nothing is ruled."""
+
+    labels: torch.Tensor  # [K] the prompt's label tokens [A], [B], ...: n = how many a prompt holds
+    levels: torch.Tensor | None  # [S] the trace's score levels; None: the response has no trace (answer only)
+    head: torch.Tensor  # [H] the answer's tokens before its first label ('{ "ranking" : [')
+    sep: int  # the token between two answer labels (',')
+    tail: torch.Tensor  # the tokens after the last label, eos last (']', '}', eos)
+
+    def n_candidates(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        """[B]: the candidates of each (padded) prompt [B, P], i.e. its label tokens."""
+        return torch.isin(prompt_ids, self.labels.to(prompt_ids.device)).sum(-1)
+
+    def table(self, unique: torch.Tensor, vocab: int) -> torch.Tensor:
+        """[M, vocab] bool, the tokens allowed by each kind of position (`kinds` indexes it): 0 any, 1 a level,
+        1 + n the first n answer labels (n = 1..K), then one row per fixed token: labels, head, sep, tail."""
+        K, dev = len(self.labels), unique.device
+        fixed = torch.cat([self.labels, self.head, torch.tensor([self.sep]), self.tail]).to(dev)
+        t = torch.zeros(2 + K + len(fixed), vocab, dtype=torch.bool, device=dev)
+        t[0] = True
+        if self.levels is not None:
+            t[1, self.levels.to(dev)] = True
+        first_n = torch.arange(K, device=dev)[None, :] < torch.arange(1, K + 1, device=dev)[:, None]  # [K, K]
+        t[2 : 2 + K, unique] = first_n
+        t[2 + K + torch.arange(len(fixed), device=dev), fixed] = True
+        return t
+
+    def kinds(self, n: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, width]: the kind of each response position (a row of `table`) for rows of n [B] candidates."""
+        K, H, dev = len(self.labels), len(self.head), n.device
+        fix = 2 + K  # the first fixed row: label 0
+        p, n = torch.arange(width, device=dev)[None, :], n[:, None]
+        kind = torch.zeros(len(n), width, dtype=torch.long, device=dev)
+        a = 2 * n if self.levels is not None else torch.zeros_like(n)  # where the answer starts
+        if self.levels is not None:  # label i then its level, for i < n
+            trace = p < a
+            kind = torch.where(trace & (p % 2 == 0), fix + (p // 2).clamp(max=K - 1), kind)
+            kind = torch.where(trace & (p % 2 == 1), 1, kind)
+        q = p - a
+        kind = torch.where((q >= 0) & (q < H), fix + K + q.clamp(0, H - 1), kind)
+        r = q - H  # the answer's labels at even r < 2n - 1, separators between
+        answer = (r >= 0) & (r < 2 * n - 1)
+        kind = torch.where(answer & (r % 2 == 0), 1 + n, kind)
+        kind = torch.where(answer & (r % 2 == 1), fix + K + H, kind)
+        u = r - (2 * n - 1)
+        return torch.where(
+            (u >= 0) & (u < len(self.tail)), fix + K + H + 1 + u.clamp(0, len(self.tail) - 1), kind
+        )
+
+
+@dataclass(frozen=True)
 class DecodeRules:
     """The rules a decoding call applies: `unique`, the tokens written at most once per row (the answer's labels),
-    and `follow`, the answer follows the trace (needs `unique`). The default applies neither (`NO_RULES`)."""
+    `follow`, the answer follows the trace, and `layout`, the response's shape (both need `unique`). The default
+    applies none (`NO_RULES`)."""
 
     unique: torch.Tensor | None = None  # [K]
     follow: TraceRule | None = None
+    layout: Layout | None = None
 
     def __post_init__(self) -> None:
         if self.unique is None and self.follow is not None:
             raise ValueError("follow (the answer follows the trace) needs unique (the answer's label tokens)")
+        if self.unique is None and self.layout is not None:
+            raise ValueError("layout (the response's shape) needs unique (the answer's label tokens)")
 
 
 NO_RULES = DecodeRules()
@@ -175,7 +232,7 @@ def single_label(slots: Slots, seen: torch.Tensor) -> tuple[torch.Tensor, torch.
 def seen_before(tokens: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:
     """tokens [B, T] -> [B, T + 1, K]: whether unique[k] occurs in tokens[:, :t], for t = 0..T."""
     hit = (tokens[:, :, None] == unique).long().cumsum(1) > 0
-    return torch.cat([torch.zeros_like(hit[:, :1]), hit], dim=1)
+    return torch.cat([hit.new_zeros(hit.shape[0], 1, hit.shape[2]), hit], dim=1)  # (T = 0: one row)
 
 
 def ban_repeats(logits: torch.Tensor, seen: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:
@@ -221,18 +278,55 @@ class Rules:
     first_end: int = 0
     trace_end: int = 0
     after: Slots | None = None
+    layout: Layout | None = None
+    kind: torch.Tensor | None = None  # [B, W]: `Layout.kinds` of the response's first W positions (past: any)
+    table: torch.Tensor | None = None  # `Layout.table` for the logits' vocabulary (read at the first bans)
 
     @classmethod
     def start(cls, rules: DecodeRules, prompt_ids: torch.Tensor) -> Rules | None:
         """The state of `rules` for prompts [B, P] (None without `unique`)."""
-        unique, follow = rules.unique, rules.follow
+        unique, follow, layout = rules.unique, rules.follow, rules.layout
         if unique is None:
             return None
         seen = torch.zeros(len(prompt_ids), len(unique), dtype=torch.bool, device=prompt_ids.device)
-        if follow is None:
-            return cls(unique, seen)
-        n = follow.n_candidates(prompt_ids)
-        return cls(unique, seen, follow, n, 2 * int(n.min()), 2 * int(n.max()))
+        state = cls(unique, seen)
+        if layout is not None:  # every ruled position lies before 4K + H + tail (K labels)
+            n = layout.n_candidates(prompt_ids)
+            width = 4 * len(layout.labels) + len(layout.head) + len(layout.tail)
+            state.layout, state.kind, state.n = layout, layout.kinds(n, width), n
+        if follow is not None:
+            n = follow.n_candidates(prompt_ids)
+            state.follow, state.n = follow, n
+            state.first_end, state.trace_end = 2 * int(n.min()), 2 * int(n.max())
+        return state
+
+    def layout_bans(self, start: int, width: int, vocab: int) -> torch.Tensor | None:
+        """[B, width, vocab] (True = banned): what the layout rules out at response positions start..start+width,
+        or None when it rules none of them."""
+        if self.kind is None or self.layout is None:
+            return None
+        kind = self.kind[:, start : start + width]
+        if not bool(kind.any()):
+            return None
+        if kind.shape[1] < width:  # positions past every ruled one
+            kind = F.pad(kind, (0, width - kind.shape[1]))
+        if self.table is None or self.table.shape[1] != vocab:
+            self.table = self.layout.table(self.unique, vocab)
+        return ~self.table[kind]
+
+    def bans(self, vocab: int, slots: Slots | None, start: int, width: int) -> torch.Tensor | None:
+        """`rule_bans` and `layout_bans` as one mask [B, width, vocab] (True = banned), or None: what a diffusion
+        round applies to the logits of the block's first `width` positions (from response column `start`)."""
+        ban = rule_bans(vocab, self.seen, slots, self.unique)
+        shape = self.layout_bans(start, width, vocab)
+        if shape is None or ban is None:
+            return shape if ban is None else ban
+        return ban | shape
+
+    def shaped(self, logits: torch.Tensor, start: int) -> torch.Tensor:
+        """logits [B, C, V] of response positions start..start+C with what the layout rules out banned."""
+        ban = self.layout_bans(start, logits.shape[1], logits.shape[-1])
+        return logits if ban is None else logits.masked_fill(ban, float("-inf"))
 
     def slots_after(self, resp: torch.Tensor) -> Slots:
         """The slots of response [B, T] once every trace is decoded (read once: they do not change)."""
@@ -266,6 +360,7 @@ class Rules:
     def ar_logits(self, logits: torch.Tensor, resp: torch.Tensor, t: int) -> torch.Tensor:
         """An AR step's logits [B, V] for response position t (resp [B, T]: the decoded tokens up to t), with
         the repeats banned and the trace's slot kept."""
+        logits = self.shaped(logits[:, None], t)[:, 0]
         if bool(self.seen.any()):  # nothing to ban before a label
             logits = ban_repeats(logits[:, None], self.seen[:, None], self.unique)[:, 0]
         if self.follow is None or self.n is None:
@@ -283,7 +378,7 @@ class Rules:
         what the trace before it allows there (spec's verifier)."""
         end = start + logits.shape[1] - 1
         before = seen_before(resp[:, :end], self.unique)[:, start:]
-        logits = ban_repeats(logits, before, self.unique)
+        logits = ban_repeats(self.shaped(logits, start), before, self.unique)
         if self.follow is None or self.n is None:
             return logits
         ahead = resp[:, : end + 1]  # + the position the last column predicts, when the response has it

@@ -23,7 +23,7 @@ from gr2.rl import (
 from gr2.rules import DecodeRules
 from gr2.stages.opd_rl import prompts_for_step, rl_config
 from tests.gr2.toys import EOS, MASK, toy_items, toy_model
-from tests.gr2.trace_toy import ANSWER_IDS, FOLLOW, follows, trace_items
+from tests.gr2.trace_toy import ANSWER_IDS, FOLLOW, SHAPE, follows, trace_items
 
 BS = 4
 
@@ -263,4 +263,22 @@ def test_replay_with_the_trace_rule_matches_the_constrained_sampler(trace_models
         lp = token_logprobs(policy_logits(model, batch, bs, MASK, DecodeRules(ANSWER_IDS, FOLLOW)), resp)
         assert (lp - batch.old_logprobs)[batch.scored].abs().max() < 1e-4
         free = token_logprobs(policy_logits(model, batch, bs, MASK, DecodeRules(ANSWER_IDS)), resp)
+        assert (free - batch.old_logprobs)[batch.scored].abs().max() > 1e-3
+
+
+def test_replay_with_the_layout_matches_the_constrained_sampler(trace_models):
+    """Rollouts sampled under the layout (gr2/rules.py `Layout`) replay to the sampler's log-probs only when the
+    replay applies it too: its fixed tokens then have log-prob 0, as sampled."""
+    ar, diff = trace_models
+    g = torch.Generator().manual_seed(1)
+    ps = [p for p, _, _ in trace_items(16, 6)]
+    ruled = DecodeRules(ANSWER_IDS, FOLLOW, SHAPE)
+    for model, bs in ((diff, BS), (ar, 0)):
+        ro = sample(model, ps, Sampling(24, bs, EOS, MASK, tau=0.5, temperature=1.0, rules=ruled), g)
+        batch = rollout_batch(ro, EOS)
+        resp = batch.input_ids[:, batch.prompt_len :]
+        assert all(follows(p, r) is not None for p, r in zip(ps, ro.tokens.tolist(), strict=True))
+        lp = token_logprobs(policy_logits(model, batch, bs, MASK, ruled), resp)
+        assert (lp - batch.old_logprobs)[batch.scored].abs().max() < 1e-4
+        free = token_logprobs(policy_logits(model, batch, bs, MASK, DecodeRules(ANSWER_IDS, FOLLOW)), resp)
         assert (free - batch.old_logprobs)[batch.scored].abs().max() > 1e-3

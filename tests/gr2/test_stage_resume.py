@@ -5,9 +5,10 @@ it samples the rollouts of step 3, with the checkpoint of step 2 on disk and the
 step 2. The stage is then run again on the same folder: it resumes from step 2 and must end with the
 weights of an uninterrupted run (within 1e-6) and the same training and rollout logs.
 
-RL scores rollouts with `length_reward` here: the tiny two-step SFT model never writes a valid ranking, so
-the GR2 reward would be -1 for every rollout, every group would be dropped and the weights would never move
-(a resume test that could not fail). Resuming does not depend on what the reward is. The stage code is
+RL scores rollouts with `token_reward` here: the tiny two-step SFT model's rankings are random, so the GR2
+reward would often tie inside a group, every group would be dropped and the weights would never move (a resume
+test that could not fail); and every response has the same length (its list's length fixes its layout, gr2/rules.py).
+Resuming does not depend on what the reward is. The stage code is
 untouched: `run` sets its hooks on the stage module and undoes them afterwards.
 """
 
@@ -80,11 +81,9 @@ def bundles(tmp_path_factory):
     return root
 
 
-def length_reward(response, label, n, tokenizer, alpha=0.2, rank_before=None) -> tuple[float, bool]:
-    """A reward that differs between the rollouts of one prompt: how early the response ends."""
-    ids = list(response)
-    end = ids.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in ids else len(ids)
-    return -end / max(1, len(ids)), False
+def token_reward(response, label, n, tokenizer, alpha=0.2, rank_before=None) -> tuple[float, bool]:
+    """A reward that differs between any two different rollouts of one prompt: a checksum of their tokens."""
+    return sum((i + 1) * int(t) for i, t in enumerate(response)) % 97 / 97, False
 
 
 def run(stage: str, root: Path, out: Path, block_at: int | None = None) -> Path:
@@ -103,7 +102,7 @@ def run(stage: str, root: Path, out: Path, block_at: int | None = None) -> Path:
         return sample(self, step)
 
     batches.__call__ = blocking
-    opd_rl.response_reward = length_reward
+    opd_rl.response_reward = token_reward
     try:
         if stage == "opd":
             return opd_rl.train_opd(root / "naive", root / "ar", data, examples, prof, out)

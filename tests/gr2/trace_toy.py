@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from gr2.rules import TraceRule
+from gr2.rules import Layout, TraceRule
 from tests.gr2.toys import BOS, EOS
 
 BS = 4
@@ -19,6 +19,8 @@ LABELS, LEVELS, HEAD, ANSWER, COMMA = (
 )
 FOLLOW = TraceRule(torch.tensor(LABELS), torch.tensor(LEVELS), head=len(HEAD))
 ANSWER_IDS = torch.tensor(ANSWER)
+# The toy's response shape: its answer has no tail but the eos.
+SHAPE = Layout(torch.tensor(LABELS), torch.tensor(LEVELS), torch.tensor(HEAD), COMMA, torch.tensor([EOS]))
 
 
 def trace_items(n: int, seed: int) -> list:

@@ -93,6 +93,7 @@ def test_any_mix_of_valid_requests_sent_at_once_is_answered_each_with_its_own_ca
         for a, p in zip(asked, preds, strict=True):
             assert p["user_id"] == a["user_id"] and sorted(p["ranking"]) == sorted(a["candidates"])
             assert p["decoder"] == a.get("decoder", "diffusion")
+            assert p["valid"] is True  # the model's own answer at every length (gr2/rules.py `Layout`)
 
 
 def test_a_10_candidate_request_beside_2_candidate_ones_is_served(server, items, ml_slice):
@@ -111,8 +112,8 @@ def test_a_10_candidate_request_beside_2_candidate_ones_is_served(server, items,
 
 
 def test_short_lists_and_cold_start_users_get_a_ranking(predictor, items, ml_slice):
-    """A 3-candidate list is decoded by the model (the pipeline trains every length 2..N: the report's table by
-    length has the validity); a user with no known history id gets the cold-start ranker, counted on /metrics."""
+    """A 3-candidate list is decoded by the model into a valid answer (its length fixes its layout: gr2/rules.py);
+    a user with no known history id gets the cold-start ranker, counted on /metrics."""
     url, user = predictor["url"], next(iter(ml_slice["history"]))
 
     def cold_count() -> float:
@@ -133,6 +134,7 @@ def test_short_lists_and_cold_start_users_get_a_ranking(predictor, items, ml_sli
     warm, cold, unknown = predictions(r, False)
     assert (
         warm["ranker"] == "model"
+        and warm["valid"] is True
         and warm["nfe"] > 0
         and sorted(warm["ranking"]) == sorted(instances[0]["candidates"])
     )

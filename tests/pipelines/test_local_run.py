@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from analysis.compare_models import main as compare_models
+from analysis.pad_vs_group import main as pad_vs_group
 from analysis.rounds_check import main as rounds_check
 from analysis.speed_check import main as speed_check
 from gr2.data import data_root
@@ -146,6 +147,21 @@ def test_local_run_writes_report(tmp_path):
     ]
     assert all(s["tokens_per_s"] > 0 for s in sp["speed"])
     assert [s["speedup_vs_ar"] for s in sp["speed"] if s["model"] == "ar"] == [1.0, 1.0]
+    # Mixed lengths in one padded call or one call per length (analysis/pad_vs_group.py): the same rankings.
+    pad_vs_group(
+        [
+            "--run",
+            str(tmp_path / "smoke"),
+            "--batches",
+            "1",
+            "--batch-size",
+            "6",
+            "--out",
+            str(tmp_path / "pg"),
+        ]
+    )
+    pg = json.loads((tmp_path / "pg.json").read_text())["decoders"]
+    assert {d: f["same_ranking"] for d, f in pg.items()} == {"diffusion": 1.0, "ar": 1.0}
     # Where the student's rounds go (analysis/rounds_check.py): on the speed rows' lists it counts the same
     # tokens per forward as the speed table.
     prof = run_profile(tmp_path / "smoke")

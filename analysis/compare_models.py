@@ -9,7 +9,7 @@ bootstrap samples as the profile), with B in the place of the floor:
 prints (and with --out writes) JSON: the split, n lists, per metric A, B, A - B and its 95% CI, and `top1`: where
 the two top-1 choices differ, split by whether the held-out item was the upstream (retriever) order's first, and
 how often each model puts that first item on top (RL on GR2's reward can learn that position bias). Diffusion
-models decode at --tau (default the profile's eval_tau); AR models with the AR decoder. Same decoding as the
+models decode at --tau (default each model's operating tau, its bundle's); AR models with the AR decoder. Same decoding as the
 evaluation step, so A and B match their rows of report.json on the test split.
 """
 
@@ -48,13 +48,14 @@ def top1_breakdown(
 def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> dict:
     profile = run_profile(run)
     torch.set_num_threads(profile.eval.threads)
-    tau = profile.diffusion.eval_tau if tau is None else tau
     examples = run_examples(run)
     df = examples[examples["split"] == split].reset_index(drop=True)
     if df.empty:
         raise SystemExit(f"no examples in split {split!r}")
     bundles = find_bundles(run, [a, b])
-    ranks = {name: rankings(load(bundles[name]), df, tau, profile)[0] for name in (a, b)}
+    models = {name: load(bundles[name]) for name in (a, b)}
+    taus = {name: getattr(m, "tau", None) if tau is None else tau for name, m in models.items()}
+    ranks = {name: rankings(m, df, taus[name], profile)[0] for name, m in models.items()}
     n_boot, seed = profile.bootstrap_samples, profile.seed
     row_a = evaluate(df, ranks[a], floor_rankings=ranks[b], n_boot=n_boot, seed=seed)
     row_b = evaluate(df, ranks[b], n_boot=n_boot, seed=seed)
@@ -73,7 +74,7 @@ def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> 
         "a": a,
         "b": b,
         "split": split,
-        "tau": tau,
+        "tau": taus[a],
         "n": len(df),
         "metrics": metrics,
         "top1": top1,
@@ -86,7 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--a", required=True, help="bundle name, e.g. ar")
     ap.add_argument("--b", required=True, help="bundle name, e.g. ar_sft")
     ap.add_argument("--split", default="test", choices=["train", "val", "test"])
-    ap.add_argument("--tau", type=float, help="diffusion commit threshold (default: the profile's eval_tau)")
+    ap.add_argument(
+        "--tau", type=float, help="diffusion commit threshold (default: each model's operating tau)"
+    )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     res = compare(Path(args.run).resolve(), args.a, args.b, args.split, args.tau)

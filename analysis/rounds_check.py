@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--model", default="rl", help="a bundle of the run (diffusion: rounds; AR: forced tokens)"
     )
-    ap.add_argument("--tau", type=float, default=0.0, help="commit threshold (0: the profile's eval_tau)")
+    ap.add_argument(
+        "--tau", type=float, default=0.0, help="commit threshold (0: the model's operating tau, its bundle's)"
+    )
     ap.add_argument("--split", default="val")
     ap.add_argument("--lists", type=int, default=100, help="the split's first N lists")
     ap.add_argument("--out", default="", help="also write the summary here (JSON)")
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         out = {"run": run.name, "model": args.model, "split": args.split}
         out |= ar_forced(model, prompts, profile.eval.batch_size)
     else:
-        tau = args.tau or profile.diffusion.eval_tau
+        tau = args.tau or model.tau
         out = {"run": run.name, "model": args.model, "tau": tau, "split": args.split}
         out |= rounds(model, prompts, tau)
     print_json(out, args.out)

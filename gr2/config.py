@@ -113,6 +113,10 @@ class DiffusionConfig:
     # rank call with tau None means it. 0.9 is the papers' parity point; every default tau in the code is this
     # one (profiles set their own).
     eval_tau: float = 0.9
+    # The operating tau chosen on validation (gr2/stages/opd_rl.py `operating_tau`): after RL, the lowest of `taus`
+    # whose R@1 on validation lists (half of them cut to 2..N-1 candidates, as clients send) is within tau_margin
+    # of the AR teacher's on the same lists, at validity >= gate.min_validity. None: eval_tau, as set above.
+    tau_margin: float | None = 0.005
     # The spec decoder's draft threshold. spec's output is AR's whatever the draft (gr2/decode.py spec_generate), so
     # this only trades draft forwards against verifier forwards: chosen on validation speed (docs/RESULTS.md,
     # 'The spec draft tau').

@@ -238,10 +238,13 @@ def run_gate(
 
     report = read_report(report_path)
     prof = load_profile(profile)
-    if "@" not in candidate and sum(r.get("model") == candidate for r in report["rows"]) > 1:
-        candidate = (
-            f"{candidate}@{prof.diffusion.eval_tau}"  # a model decoded at several tau: the operating one
-        )
+    rows = [r for r in report["rows"] if r.get("model") == candidate]
+    if (
+        "@" not in candidate and len(rows) > 1
+    ):  # a model decoded at several tau: its operating one (its bundle's,
+        # which the report marks; a report written before the mark: the profile's eval_tau)
+        tau = next((r["tau"] for r in rows if r.get("operating")), prof.diffusion.eval_tau)
+        candidate = f"{candidate}@{tau}"
     decision = decide(report["rows"], candidate, data_validation, production, prof.gate, paired)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -148,6 +148,32 @@ def by_length_markdown(by_length: list[dict], cold: dict | None) -> list[str]:
     return out
 
 
+def operating_tau_markdown(chosen: dict | None) -> list[str]:
+    """The report's table of how the deployed student's operating tau was chosen: its validation curve against
+    the AR teacher on the same lists (gr2/stages/opd_rl.py `operating_tau`)."""
+    if not chosen:
+        return []
+    out = ["", f"## Operating tau: {fmt_value(chosen.get('tau'), 2)} ({chosen.get('chosen_by')})", ""]
+    if not chosen.get("curve"):
+        return out
+    ar = chosen["ar"]
+    out += [
+        f"On {chosen['lists']} validation lists ({chosen['short_share']:.0%} of them cut to 2..N-1 candidates): the "
+        f"lowest tau whose R@1 is at least `ar`'s minus {chosen['margin']} and whose validity is at least "
+        f"{chosen['min_validity']}. `ar`: R@1 {ar['recall@1']:.3f}, validity {ar['validity']:.3f}.",
+        "",
+        "| tau | R@1 | R@1 - ar | validity | chosen |",
+        "|---|---|---|---|---|",
+    ]
+    for c in chosen["curve"]:
+        mark = "**yes**" if c["tau"] == chosen["tau"] else ""
+        out += [
+            f"| {c['tau']:.2f} | {c['recall@1']:.3f} | {c['recall@1'] - ar['recall@1']:+.3f} "
+            f"| {c['validity']:.3f} | {mark} |"
+        ]
+    return out
+
+
 def render_markdown(report: dict, plots: list[str] | None = None) -> str:
     """Markdown: header facts, the rows table (metrics with 95% CIs, R@1 delta vs floor), retriever, gate."""
     out = [f"# Report: {report.get('dataset', '?')} / profile {report.get('profile', '?')}", ""]
@@ -195,6 +221,7 @@ def render_markdown(report: dict, plots: list[str] | None = None) -> str:
                 f"| {r.get('model')} | {fmt_value(r.get('tau'), 2)} | {t['lists']} | {fmt_value(t['recall@1'], 3)} "
                 f"| {fmt_value(r.get('recall@1'), 3)} | {fmt_value(t.get('answer_follows'), 3)} |"
             ]
+    out += operating_tau_markdown(report.get("operating_tau"))
     out += by_length_markdown(report.get("by_length") or [], report.get("cold_start"))
     speed = report.get("speed") or []
     if speed:

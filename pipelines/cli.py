@@ -330,7 +330,9 @@ def champion(
 def gate(
     report: Path = typer.Option(..., help="report.json or its folder (from `gr2 evaluate-models`)"),
     out: Path = typer.Option(..., help="where decision.json / report.json / gate.md go"),
-    candidate: str = typer.Option("rl", help="row to gate: model[@tau] (no tau: the profile's eval_tau)"),
+    candidate: str = typer.Option(
+        "rl", help="row to gate: model[@tau] (no tau: its operating tau, which the report marks)"
+    ),
     data_validation_passed: bool = typer.Option(True, help="result of the data validation"),
     profile: str = typer.Option("quick", help="profile holding the gate thresholds"),
     champion: Path = typer.Option(
@@ -602,7 +604,7 @@ def pipeline_run(
     profile: str = typer.Option(None, help="quick | bench | a profile path"),
     snapshot_date: str = typer.Option("", help="data version YYYY-MM-DD (default: today, UTC)"),
     candidate: str = typer.Option(
-        None, help="model the gate judges, e.g. rl (at the profile's eval_tau) or rl@0.9"
+        None, help="model the gate judges, e.g. rl (at its operating tau, chosen on validation) or rl@0.9"
     ),
     canary_percent: int = typer.Option(None, help="traffic share of the canary"),
     bounds_json: str = typer.Option(None, help="validation row-count bounds (JSON)"),

@@ -231,6 +231,7 @@ def run_night(
         "paired": paired or None,
         "drift": outcome.get("drift"),
         "drift_warnings": outcome.get("drift_warnings", []),
+        "drift_notes": outcome.get("drift_notes", []),
         "profile": (res["report"] or {}).get("profile"),
         "_objects": outcome.get("objects_read") or [],
         "wall_seconds": round(wall, 1),
@@ -462,6 +463,9 @@ def markdown(result: dict[str, Any], plot: str) -> str:
                 f"- prediction drift: top-1 agreement {pr['top1_agreement']:.3f}, rank correlation {pr['rank_corr']:.3f} ({pr['n_lists']} lists)"
             )
         lines += [f"- DRIFT WARNING {w}" for w in n["drift_warnings"]]
+        lines += [
+            f"- held candidate's prediction drift (not a warning): {w}" for w in n.get("drift_notes", [])
+        ]
         if n.get("data_docs_screenshot"):
             lines.append(
                 f"- Data Docs of the stopped validation, in headless Chromium: ![data docs]({n['data_docs_screenshot']})"

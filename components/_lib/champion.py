@@ -56,7 +56,7 @@ def _score_production(store: Any, test, candidate_dir: str | Path, prof: Profile
         except Exception as e:  # any reason it cannot be scored fails the gate's rule, named
             return {"error": f"{type(e).__name__}: {e}"}
     cand = load_reranker(bundle_dir(candidate_dir))
-    cand_ranks, _ = rankings(cand, test, prof.diffusion.eval_tau, prof)
+    cand_ranks, _ = rankings(cand, test, getattr(cand, "tau", None), prof)  # at its own operating tau
     paired = paired_comparison(test, cand_ranks, prod_ranks, prof.bootstrap_samples, prof.seed)
     paired["production_unknown_lists"] = unknown  # lists production could not read (upstream order)
     return {"paired": paired, "predictions": prediction_drift(prod_ranks, cand_ranks)}

@@ -150,6 +150,7 @@ def evaluate_models(
     report["speed"] = ev.speed
     report["by_length"] = ev.by_length
     report["cold_start"] = ev.cold_start
+    report["operating_tau"] = ev.operating_tau
     report["training"] = {
         name: json.loads((p / "reranker.json").read_text()).get("train") for name, p in paths.items()
     }

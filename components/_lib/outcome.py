@@ -10,6 +10,11 @@ gate; the deploy step's upload is `<run_id>/rl`. The outcome names the result of
   passed_gate            the gate passed and the model was uploaded; promotion waits for the canary
   failed                 a step failed (status FAILED or CANCELED)
 and the production model before (what the gate compared against) and after (the pointer when the run ended).
+
+Drift warnings (components/_lib/champion.py): every data warning, and the prediction warnings (production against
+the candidate on tonight's lists) unless the gate held the candidate. Prediction drift warns about a model about
+to replace production's rankings; a held candidate replaces nothing, and the gate's failure already says the night
+went wrong. Its prediction figures stay in `drift`, and the warnings it would have raised in `drift_notes`.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ def outcome(base: dict[str, Any], store: Any) -> dict[str, Any]:
         result = "incomplete"  # no gate decision was published (a store not reachable from every step)
     paired = champion.get("paired") or {}
     drift = champion.get("drift") or {}
+    held = [w for w in drift.get("warnings", []) if result == "held_by_gate" and w.startswith("predictions:")]
     uploaded = store.manifest(run_id, "rl")
     return {
         **base,
@@ -57,7 +63,8 @@ def outcome(base: dict[str, Any], store: Any) -> dict[str, Any]:
         "challenger_recall@1": paired.get("candidate", (gate or {}).get("candidate_recall@1")),
         "paired": paired or None,
         "drift": {k: drift.get(k) for k in ("data", "predictions", "data_error", "predictions_error")},
-        "drift_warnings": drift.get("warnings", []),
+        "drift_warnings": [w for w in drift.get("warnings", []) if w not in held],
+        "drift_notes": held,  # prediction drift of a candidate the gate held (module docstring)
         "uploaded_attempt": None if uploaded is None else f"{run_id}/rl/{uploaded.attempt}",
         "production_before": before,
         "production_after": after,
@@ -106,6 +113,7 @@ def outcome_markdown(rec: dict[str, Any]) -> str:
         lines += [f"- {r}" for r in rec["gate"]["reasons"]]
     lines += ["", f"## Drift: {'WARNING' if rec['drift_warnings'] else 'no warning'}", ""]
     lines += [f"- WARNING {w}" for w in rec["drift_warnings"]]
+    lines += [f"- held candidate, not a warning: {w}" for w in rec.get("drift_notes") or []]
     if rec.get("error_message"):
         lines += ["", f"Error: {rec['error_message']}"]
     return "\n".join(lines) + "\n"

@@ -233,6 +233,9 @@ class Evaluation(NamedTuple):
     speed: list[dict]  # `speed_table`
     by_length: list[dict]  # `length_rows` of ar and the deployed student
     cold_start: dict  # `cold_start_row` of the deployed student
+    operating_tau: (
+        dict | None
+    )  # how the deployed student's tau was chosen (gr2/stages/opd_rl.py `operating_tau`)
 
 
 def evaluate_generative(
@@ -258,8 +261,8 @@ def evaluate_generative(
             plans.append((name, "ar", None))
         elif name in ("naive", "opd"):  # intermediate stages: the serving tau only
             plans.append((name, "diffusion", dc.eval_tau))
-        else:  # cft and the final student: the whole tau sweep
-            plans += [(name, "diffusion", t) for t in dc.taus]
+        else:  # cft and the final student: the whole tau sweep (and the model's own operating tau)
+            plans += [(name, "diffusion", t) for t in dict.fromkeys([*dc.taus, m.tau])]
     student = next((n for n in ("rl", "opd", "cft") if n in models), None)
     if student is not None:
         models["spec"] = models[student].with_verifier(models["ar"].model, name="spec")
@@ -281,14 +284,21 @@ def evaluate_generative(
                 speedup_vs_ar=s["speedup_vs_ar"],
                 speedup_ci95=s["speedup_ci95"],
             )
-    served = [("ar", "ar", None)] + ([(student, "diffusion", dc.eval_tau)] if student is not None else [])
+    # The deployed student at its operating tau (its bundle's: chosen on validation), the row the gate judges.
+    served = [("ar", "ar", None)] + (
+        [(student, "diffusion", models[student].tau)] if student is not None else []
+    )
+    for row in rows:
+        row["operating"] = any(row["model"] == n and row["tau"] == t for n, d, t in served[1:])
     by_length = [
         r
         for name, decoder, tau in served
         for r in length_rows(models[name], decoder, tau, test, profile, rows)
     ]
     name, decoder, tau = served[-1]  # the deployed model: its cold-start path
-    return Evaluation(rows, speed, by_length, cold_start_row(models[name], decoder, tau, test, profile))
+    chosen = (models[name].config.validation or {}).get("operating_tau") if student is not None else None
+    cold = cold_start_row(models[name], decoder, tau, test, profile)
+    return Evaluation(rows, speed, by_length, cold, chosen)
 
 
 def ablation_rows(bundles: Mapping[str, str | Path], test: pd.DataFrame, profile: Profile) -> dict:

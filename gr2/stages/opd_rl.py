@@ -359,6 +359,57 @@ def validation_recall(
     return float(np.mean([a.ranking[0] == y for a, y in zip(answers, val["label"], strict=True)]))
 
 
+SHORT_VALIDATION_SHARE = 0.5  # of the lists that choose the operating tau, cut to 2..N-1 (what clients send)
+
+
+def choose_tau(ar: dict, curve: list[dict], margin: float, min_validity: float) -> tuple[float, bool]:
+    """`operating_tau`'s rule on validation figures ({"recall@1", "validity"}; curve: one per tau): (the lowest tau
+    whose recall@1 >= ar's - margin and validity >= min_validity, True), or (the highest tau, False) when none is."""
+    ok = [c for c in curve if c["recall@1"] >= ar["recall@1"] - margin and c["validity"] >= min_validity]
+    if ok:
+        return min(c["tau"] for c in ok), True
+    return max(c["tau"] for c in curve), False
+
+
+def operating_tau(student: GenerativeReranker, val: pd.DataFrame, profile: Profile) -> dict[str, Any]:
+    """The student's operating tau, chosen on validation (profile.diffusion.tau_margin): the lowest tau of
+    diffusion.taus whose recall@1 on `val` (half of it cut to 2..N-1 candidates) is at least the AR teacher's on
+    the same lists minus tau_margin, with validity >= gate.min_validity; the highest tau when none is. The AR
+    teacher's answers are the `spec` decoder's (its tokens are the verifier's AR greedy ones). Returns the
+    choice and its curve; without a margin, validation lists or the verifier, the profile's eval_tau."""
+    dc = profile.diffusion
+    if dc.tau_margin is None or val.empty or student.verifier is None:
+        why = (
+            "no tau_margin"
+            if dc.tau_margin is None
+            else "no validation lists"
+            if val.empty
+            else "no verifier"
+        )
+        return {"tau": dc.eval_tau, "chosen_by": f"profile diffusion.eval_tau ({why})"}
+    lists = shorten_some(val, SHORT_VALIDATION_SHARE, profile.seed)
+    labels = lists["label"].tolist()
+
+    def score(decoder: str, tau: float) -> dict[str, float]:
+        answers, _ = decode_answers(student, lists, decoder, tau, profile)
+        hits = [a.ranking[0] == y for a, y in zip(answers, labels, strict=True)]
+        return {"recall@1": float(np.mean(hits)), "validity": float(np.mean([a.valid for a in answers]))}
+
+    ar = score("spec", dc.spec_tau)
+    curve = [{"tau": t, **score("diffusion", t)} for t in sorted(dc.taus)]
+    tau, within = choose_tau(ar, curve, dc.tau_margin, profile.gate.min_validity)
+    return {
+        "tau": tau,
+        "chosen_by": "validation" if within else "validation: no tau within the margin, the highest",
+        "lists": len(lists),
+        "short_share": SHORT_VALIDATION_SHARE,
+        "margin": dc.tau_margin,
+        "min_validity": profile.gate.min_validity,
+        "ar": ar,
+        "curve": curve,
+    }
+
+
 def rl_config(profile: Profile, block_size: int) -> RLConfig:
     """The RL config for a bundle's decoder. The DAG runs the one `rl` step twice and the input bundle's
     block size picks the config: the AR teacher (block_size 0, GR2 stage 3 after SFT) trains under
@@ -416,14 +467,27 @@ def train_rl(
     kept = "parent" if before is not None and after is not None and after < before else "rl"
     if kept == "parent":  # RL lowered recall on lists it never trained on: serve the parent's weights
         model = load_model(Path(bundle) / "model")[0]  # only the weights: the rest is loaded already
+    validation: dict[str, Any] = {
+        "lists": len(val),
+        "recall@1_parent": before,
+        "recall@1_rl": after,
+        "kept": kept,
+    }
+    tau = parent.config.tau
+    if bs > 0:  # the student's operating tau, on the weights it keeps
+        validation["operating_tau"] = operating_tau(
+            GenerativeReranker(replace(parent, model=model)), val, profile
+        )
+        tau = validation["operating_tau"]["tau"]
     meta = replace(
         parent.config,
         name="rl" if bs > 0 else "ar",
         stage="rl" if bs > 0 else "sft+rl",
         parent=str(bundle),
+        tau=tau,
         rl_config=asdict(rc),
         train=_summary(res, out / "train"),
-        validation={"lists": len(val), "recall@1_parent": before, "recall@1_rl": after, "kept": kept},
+        validation=validation,
     )
     log.info("train_rl (block_size %d): %s; validation %s", bs, meta.train, meta.validation)
     return write_bundle(out / "bundle", replace(parent, model=model, config=meta))

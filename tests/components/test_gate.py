@@ -68,6 +68,20 @@ def test_run_gate_writes_decision_into_report(tmp_path, local_store):
     assert production_record("null") is None
 
 
+def test_a_model_decoded_at_several_taus_is_judged_at_its_operating_one(tmp_path, local_store):
+    """The report marks the student's operating row (its bundle's tau, chosen on validation); the gate judges that
+    row, not the profile's eval_tau (0.4 in quick); an unmarked report falls back to eval_tau."""
+    rep = report(0.405)
+    slow, fast = rep["rows"][-1], {**rep["rows"][-1], "tau": 0.4, "recall@1": 0.30}
+    rep["rows"].append(fast)
+    for mark, want in ((0.9, "diffusion@0.9"), (0.4, "diffusion@0.4"), (None, "diffusion@0.4")):
+        slow["operating"], fast["operating"] = mark == 0.9, mark == 0.4
+        (tmp_path / "rep").mkdir(exist_ok=True)
+        (tmp_path / "rep" / "report.json").write_text(json.dumps(rep))
+        res = run_gate(tmp_path / "rep", tmp_path / f"out{mark}", "diffusion", True, "quick", None)
+        assert res["candidate"] == want and res["passed"] is (want == "diffusion@0.9")
+
+
 def test_gate_component_in_a_local_pipeline(tmp_path, local_store):
     from kfp import dsl, local
 

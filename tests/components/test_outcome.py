@@ -64,6 +64,16 @@ def test_each_kind_of_night(tmp_path):
     assert "challenger 0.3000, champion 0.4000 (delta -0.1000" in md
     assert "## Drift: WARNING" in md and "- WARNING data: PSI of history_len 0.400 > 0.2" in md
 
+    # A held candidate's prediction drift is a note, not a warning (it replaces nothing); its data drift warns.
+    pred = "predictions: top1 agreement 0.393 < 0.4"
+    scored["drift"] = {"warnings": ["data: PSI of history_len 0.400 > 0.2", pred]}
+    rec = night(store, root, "r5", {"targets": True, "examples": True}, gate=False, champion=scored)
+    assert rec["drift_warnings"] == ["data: PSI of history_len 0.400 > 0.2"] and rec["drift_notes"] == [pred]
+    assert f"- held candidate, not a warning: {pred}" in outcome_markdown(rec)
+    # A candidate that passed the gate is about to replace production: the same figure warns.
+    rec = night(store, root, "r6", {"targets": True, "examples": True}, gate=True, champion=scored)
+    assert pred in rec["drift_warnings"] and rec["drift_notes"] == []
+
     rec = outcome(
         {"run_id": "r4", "status": "FAILED", "dataset": "d", "snapshot_date": "", "error_message": "x"}, store
     )

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from analysis.compare_models import main as compare_models
+from analysis.pad_vs_group import main as pad_vs_group
 from analysis.rounds_check import main as rounds_check
 from analysis.speed_check import main as speed_check
 from gr2.data import data_root
@@ -91,6 +92,14 @@ def test_local_run_writes_report(tmp_path):
     assert isinstance(rep["gate"]["passed"], bool) and any(
         "rl" in x or "floor" in x for x in rep["gate"]["reasons"]
     )
+    # The student's operating tau was chosen on validation (gr2/stages/opd_rl.py operating_tau), the report marks
+    # its row and shows the curve, and its by-length rows and the gate read that row.
+    chosen = rep["operating_tau"]
+    tau = chosen["tau"]
+    assert [c["tau"] for c in chosen["curve"]] == [0.5, 1.0] and chosen["lists"] > 0
+    assert [(r["model"], r["tau"]) for r in rep["rows"] if r.get("operating")] == [("rl", tau)]
+    assert {r["tau"] for r in rep["by_length"] if r["model"] == "rl"} == {tau}
+    assert f"## Operating tau: {tau:.2f}" in (tmp_path / "smoke" / "report.md").read_text()
     floor = rep["rows"][0]
     assert floor["delta_vs_floor"]["recall@1"] == [0.0, 0.0]
     # Hit rate = test examples / users with a test target (>= 2 interactions) in the slice.
@@ -138,14 +147,29 @@ def test_local_run_writes_report(tmp_path):
     ]
     assert all(s["tokens_per_s"] > 0 for s in sp["speed"])
     assert [s["speedup_vs_ar"] for s in sp["speed"] if s["model"] == "ar"] == [1.0, 1.0]
+    # Mixed lengths in one padded call or one call per length (analysis/pad_vs_group.py): the same rankings.
+    pad_vs_group(
+        [
+            "--run",
+            str(tmp_path / "smoke"),
+            "--batches",
+            "1",
+            "--batch-size",
+            "6",
+            "--out",
+            str(tmp_path / "pg"),
+        ]
+    )
+    pg = json.loads((tmp_path / "pg.json").read_text())["decoders"]
+    assert {d: f["same_ranking"] for d, f in pg.items()} == {"diffusion": 1.0, "ar": 1.0}
     # Where the student's rounds go (analysis/rounds_check.py): on the speed rows' lists it counts the same
     # tokens per forward as the speed table.
     prof = run_profile(tmp_path / "smoke")
     rc = rounds_check(
         ["--run", str(tmp_path / "smoke"), "--split", "test", "--lists", str(prof.eval.speed_examples)]
     )
-    b1 = next(s for s in rep["speed"] if (s["model"], s["tau"], s["batch"]) == ("rl", 0.5, 1))
-    assert rc["tau"] == 0.5 and rc["tokens_per_forward"] == pytest.approx(b1["tokens_per_forward"])
+    b1 = next(s for s in rep["speed"] if (s["model"], s["tau"], s["batch"]) == ("rl", tau, 1))
+    assert rc["tau"] == tau and rc["tokens_per_forward"] == pytest.approx(b1["tokens_per_forward"])
     assert sum(k["tokens"] for k in rc["late_share"].values()) == pytest.approx(
         rc["tokens_per_forward"] * rc["forwards_per_list"] * rc["lists"]
     )
@@ -157,8 +181,8 @@ def test_local_run_writes_report(tmp_path):
         ["--run", str(tmp_path / "smoke"), "--a", "rl", "--b", "ar", "--out", str(tmp_path / "c.json")]
     )
     r1 = cmp["metrics"]["recall@1"]
-    assert cmp["n"] == floor["n_users"] and cmp["tau"] == 0.5
-    assert r1["rl"] == pytest.approx(rows[("rl", 0.5)]["recall@1"]) and r1["ar"] == pytest.approx(
+    assert cmp["n"] == floor["n_users"] and cmp["tau"] == tau
+    assert r1["rl"] == pytest.approx(rows[("rl", tau)]["recall@1"]) and r1["ar"] == pytest.approx(
         rows[("ar", None)]["recall@1"]
     )
     assert r1["delta"] == pytest.approx(r1["rl"] - r1["ar"]) and r1["ci95"][0] <= r1["delta"] <= r1["ci95"][1]

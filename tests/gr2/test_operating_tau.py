@@ -1,0 +1,28 @@
+"""The operating tau's rule (gr2/stages/opd_rl.py `choose_tau`): the lowest tau within the margin of `ar` on
+validation, at the gate's minimum validity; the highest when none is. The DAG test (tests/pipelines) runs the
+whole choice on a real student."""
+
+from gr2.stages.opd_rl import choose_tau
+
+AR = {"recall@1": 0.300, "validity": 1.0}
+
+
+def curve(*points: tuple[float, float, float]) -> list[dict]:
+    return [{"tau": t, "recall@1": r, "validity": v} for t, r, v in points]
+
+
+def test_the_lowest_tau_within_the_margin_is_chosen():
+    c = curve((0.4, 0.290, 1.0), (0.6, 0.296, 1.0), (0.9, 0.301, 1.0))
+    assert choose_tau(AR, c, 0.005, 0.99) == (0.6, True)
+    assert choose_tau(AR, c, 0.02, 0.99) == (0.4, True)
+    assert choose_tau(AR, list(reversed(c)), 0.005, 0.99) == (0.6, True)  # in any order
+
+
+def test_validity_below_the_gates_minimum_rules_a_tau_out():
+    c = curve((0.4, 0.300, 0.98), (0.9, 0.299, 1.0))
+    assert choose_tau(AR, c, 0.005, 0.99) == (0.9, True)
+
+
+def test_no_tau_within_the_margin_gives_the_highest():
+    c = curve((0.4, 0.250, 1.0), (0.9, 0.280, 1.0))
+    assert choose_tau(AR, c, 0.005, 0.99) == (0.9, False)

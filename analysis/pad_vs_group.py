@@ -19,6 +19,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             res = compare(model, requests, d, model.tau if d == "diffusion" else None, pad_first=b % 2 == 0)
             if b:
                 per[d].append(res)
-    figures = {}
+    figures: dict[str, dict[str, Any]] = {}
     for d, rs in per.items():
         pad, group = np.array([r["pad_s"] for r in rs]), np.array([r["group_s"] for r in rs])
         figures[d] = {

@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         out |= ar_forced(model, prompts, profile.eval.batch_size)
     else:
         tau = args.tau or model.tau
+        assert tau is not None  # a diffusion bundle has its operating tau
         out = {"run": run.name, "model": args.model, "tau": tau, "split": args.split}
         out |= rounds(model, prompts, tau)
     print_json(out, args.out)

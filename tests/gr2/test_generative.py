@@ -234,9 +234,11 @@ def test_teacher_records_fall_back_and_resume_from_cache(pipeline, tmp_path):
 def test_evaluate_rows_and_speed(pipeline):
     prof = pipeline["prof"]
     test = pipeline["examples"].query("split == 'test'").reset_index(drop=True)
-    rows, speed, by_length, cold = evaluate_generative(
+    rows, speed, by_length, cold, chosen = evaluate_generative(
         {"ar": pipeline["ar"], "naive": pipeline["naive"], "cft": pipeline["cft"]}, test, prof
     )
+    assert chosen is None  # the deployed student here is cft: no RL stage chose its tau
+    assert [(r["model"], r["tau"]) for r in rows if r["operating"]] == [("cft", prof.diffusion.eval_tau)]
     assert [(r["model"], r["tau"]) for r in rows] == [
         ("ar", None),
         ("naive", 0.5),

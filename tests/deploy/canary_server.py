@@ -20,7 +20,7 @@ from pathlib import Path
 from gr2.inference import DECODERS, RankResult, load_reranker
 
 FAULTS = ("none", "error", "slow", "invalid")
-SLOW_S = 6.0  # its p99 lands in the (5 s, 10 s] latency bucket
+SLOW_S = 11.0  # its p99 lands in the (10 s, 30 s] latency bucket, above the tests' 10 s slack
 
 
 class FaultyReranker:

@@ -67,7 +67,9 @@ def test_containerized_dag_report_matches_the_venv_run(dag):
         learned = {
             k: v for k, v in a.items() if isinstance(v, float) and "loss" in k or "kl_" in k or "reward" in k
         }
-        assert learned and learned == pytest.approx({k: b[k] for k in learned}, rel=1e-4), stage
+        # abs: a policy-gradient loss whose advantages sum to zero is float32 rounding (~1e-8), and its last
+        # digits follow the summation order (a fresh-clone CI read -8.4e-9 in the image against -1.2e-8 in the venv)
+        assert learned and learned == pytest.approx({k: b[k] for k in learned}, rel=1e-4, abs=1e-6), stage
 
 
 def test_every_step_ran_in_the_image_the_pipeline_names(dag, images, tmp_path):

@@ -7,12 +7,13 @@ canary that errors, is slow or gives invalid rankings is rolled back at the firs
 
 The faults are deterministic and far from the thresholds (every request fails; 11 s per call, whose p99 falls in
 the (10 s, 30 s] bucket, against a bound of stable p99 x 2 + 10 s, so a healthy answer delayed by a busy machine
-is not "slow" (one once took 2.5-5 s in CI); every ranking invalid). Known flake, not yet fixed: about one run in
-four, the invalid scenario run right after the slow one on the same worker counts one slow answer of the slow
-scenario in its canary p99 (29.4 s: the slow fault's bucket), so a request from before the step still reaches a
-step's window (deploy/canary.py revision_metrics) now and then, and nothing is timed: the analysis waits
+is not "slow" (one once took 2.5-5 s in CI); every ranking invalid), and nothing is timed: the analysis waits
 until Prometheus has scraped both revisions before and after each step's traffic, and each step's window starts
-at its first scrape, so one scenario's requests never count in the next one's window.
+at its first scrape, which is meant to keep one scenario's requests out of the next one's window.
+
+Known flake, not yet fixed: about one run in four, the invalid scenario run right after the slow one on the same
+worker counts one slow answer of the slow scenario in its canary p99 (29.4 s: the slow fault's bucket), so a
+request from before a step still reaches the step's window (deploy/canary.py revision_metrics) now and then.
 """
 
 from __future__ import annotations

@@ -50,6 +50,9 @@ REQUESTS = "gr2_requests_total"
 LATENCY_BUCKET = "gr2_request_latency_seconds_bucket"
 RANKINGS = "gr2_rankings_total"
 TOKENS_PER_FORWARD = "gr2_tokens_per_forward"
+COUNTERS = (REQUESTS, LATENCY_BUCKET, RANKINGS, f"{TOKENS_PER_FORWARD}_sum", f"{TOKENS_PER_FORWARD}_count")
+# A snapshot of counters: each series (its labels, __name__ included) -> its value.
+Counters = dict[frozenset[tuple[str, str]], float]
 
 
 @dataclass(frozen=True)
@@ -76,22 +79,33 @@ class Prometheus:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
 
-    def query(self, promql: str, at: float | None = None) -> float | None:
-        """The single value of `promql` (a sum or a quantile) at time `at` (epoch seconds; None = now);
-        None when there is no data (or NaN)."""
+    def result(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
+        """The instant vector of `promql` at time `at` (epoch seconds; None = now): [{"metric", "value"}]."""
         params = {"query": promql} | ({"time": f"{at:.3f}"} if at is not None else {})
         try:
             r = httpx.get(f"{self.url}/api/v1/query", params=params, timeout=self.timeout_s)
             r.raise_for_status()
-            result = r.json()["data"]["result"]
+            return r.json()["data"]["result"]
         except (httpx.HTTPError, ValueError, KeyError) as e:
             raise PrometheusError(f"{promql}: {e}") from e
+
+    def query(self, promql: str, at: float | None = None) -> float | None:
+        """The single value of `promql` (a sum or a quantile) at time `at`; None when there is no data (or NaN)."""
+        result = self.result(promql, at)
         if not result:
             return None
         if len(result) != 1:
             raise PrometheusError(f"{promql}: expected one series, got {len(result)}")
         value = float(result[0]["value"][1])
         return None if math.isnan(value) else value
+
+    def counters(self, selector: str) -> Counters:
+        """The latest value of every series of the judged counters matching `selector`, now."""
+        names = "|".join(COUNTERS)
+        return {
+            frozenset(r["metric"].items()): float(r["value"][1])
+            for r in self.result(f'{{__name__=~"{names}",{selector}}}')
+        }
 
     def scraped_since(self, selector: str, t: float, timeout_s: float, poll_s: float = 0.25) -> float | None:
         """Wait until every live target matching `selector` has been scraped successfully after time `t`
@@ -107,27 +121,67 @@ class Prometheus:
             time.sleep(poll_s)
 
 
-def revision_metrics(prom: Prometheus, selector: str, window_s: float, at: float) -> dict[str, float | None]:
-    """One revision's request count, error rate, p99 latency, validity, fallback rate and tokens per forward
-    over the `window_s` seconds before `at` (None where it served nothing to measure). Every query is
-    evaluated at the same instant, so the ratios compare counts over the same samples."""
+def step_counts(before: Counters, after: Counters) -> Counters:
+    """What each series counted between two snapshots: exact differences of the scraped samples, where
+    Prometheus' increase() would extrapolate each series to the window's edges by its own factor (it stops a
+    series at zero), so the buckets of one histogram disagree: a canary whose fast buckets started at 0 and
+    whose slow ones did not once read a p99 of 29 s with no slow answer in the window. A series that went down
+    restarted (its pod did): its whole value counts; one born since `before` counts from zero."""
+    counts = {}
+    for key, value in after.items():
+        start = before.get(key, 0.0)
+        counts[key] = value - start if value >= start else value
+    return counts
 
-    window = f"{math.ceil(window_s * 1000)}ms"
 
-    def increase(metric: str, match: str = "") -> float:
-        return prom.query(f"sum(increase({metric}{{{selector}{match}}}[{window}]))", at) or 0.0
-
-    requests, errors = increase(REQUESTS), increase(REQUESTS, ',status=~"5.."')
-    rankings = increase(RANKINGS)
-    valid, fallback = increase(RANKINGS, ',outcome="valid"'), increase(RANKINGS, ',outcome="fallback"')
-    tokens, forwards = increase(f"{TOKENS_PER_FORWARD}_sum"), increase(f"{TOKENS_PER_FORWARD}_count")
-    p99 = prom.query(
-        f"histogram_quantile(0.99, sum by (le) (increase({LATENCY_BUCKET}{{{selector}}}[{window}])))", at
+def total(counts: Counters, name: str, **match: Callable[[str], bool]) -> float:
+    """The sum of the series of metric `name` whose labels satisfy every predicate in `match`."""
+    return sum(
+        v
+        for key, v in counts.items()
+        if (labels := dict(key))["__name__"] == name and all(ok(labels.get(k, "")) for k, ok in match.items())
     )
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """Prometheus' histogram_quantile over cumulative counts {upper bound: count}: linear inside the bucket
+    that holds rank q * total (the lowest bucket starts at 0); a rank in the +Inf bucket gives the highest
+    finite bound. None without observations."""
+    n = buckets.get(math.inf, 0.0)
+    if n <= 0:
+        return None
+    rank, lower, below = q * n, 0.0, 0.0
+    for bound in sorted(buckets):
+        count = max(buckets[bound], below)
+        if count >= rank:
+            return lower if bound == math.inf else lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return lower
+
+
+def revision_metrics(before: Counters, after: Counters) -> dict[str, float | None]:
+    """One revision's request count, error rate, p99 latency, validity, fallback rate and tokens per forward
+    between two snapshots of its counters (None where it served nothing to measure)."""
+    counts = step_counts(before, after)
+    requests = total(counts, REQUESTS)
+    errors = total(counts, REQUESTS, status=lambda s: s.startswith("5"))
+    rankings = total(counts, RANKINGS)
+    valid = total(counts, RANKINGS, outcome=lambda o: o == "valid")
+    fallback = total(counts, RANKINGS, outcome=lambda o: o == "fallback")
+    tokens, forwards = (
+        total(counts, f"{TOKENS_PER_FORWARD}_sum"),
+        total(counts, f"{TOKENS_PER_FORWARD}_count"),
+    )
+    buckets: dict[float, float] = {}
+    for key, v in counts.items():
+        labels = dict(key)
+        if labels["__name__"] == LATENCY_BUCKET:
+            bound = float(labels["le"])
+            buckets[bound] = buckets.get(bound, 0.0) + v
     return {
         "requests": requests,
         "error_rate": errors / requests if requests else None,
-        "p99_latency_s": p99,
+        "p99_latency_s": histogram_quantile(0.99, buckets),
         "validity": valid / rankings if rankings else None,
         "fallback_rate": fallback / rankings if rankings else None,
         "tokens_per_forward": tokens / forwards if forwards else None,  # reported, not judged
@@ -256,7 +310,7 @@ def analyze(
     the report ({"outcome": "promoted" | "rolled-back", "steps": [...]}).
 
     `wait(step_seconds)` is where live traffic runs (time.sleep on a cluster). `scrape_interval_s` is
-    Prometheus' scrape interval: each step's window starts at the first scrape after the step started."""
+    Prometheus' scrape interval (it bounds the waits for a scrape)."""
     check_steps(cfg.steps)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -301,22 +355,18 @@ def analyze(
         }
         timeout_s = 3 * scrape_interval_s + 30
         try:
-            # A scrape of each revision before the probes (its baseline) and one after the step's traffic. The
-            # window starts half a scrape interval before the baseline, so it holds the baseline sample but not
-            # the one before it, which may predate requests from before the step (a slow earlier step's last
-            # answers were once counted in the next step's p99).
+            # Each revision's counters once Prometheus has scraped all its pods after the step began (none of
+            # them can predate the step), and again once it has scraped them after the step's traffic: the step
+            # is their difference.
             base = {k: prom.scraped_since(sel, t0, timeout_s) for k, sel in selectors.items()}
+            before = {k: prom.counters(sel) for k, sel in selectors.items()}
             stable_answers = probe(stable.url, model_name or name, probes) if stable else None
             canary_answers = probe(canary.url, model_name or name, probes)
             wait(cfg.step_seconds)
             t_end = time.time()
             end = {k: prom.scraped_since(sel, t_end, timeout_s) for k, sel in selectors.items()}
             unscraped = {k for k in selectors if base[k] is None or end[k] is None}
-            at = time.time()
-            measured = {
-                k: revision_metrics(prom, sel, at - (base[k] or t0) + scrape_interval_s / 2, at)
-                for k, sel in selectors.items()
-            }
+            measured = {k: revision_metrics(before[k], prom.counters(sel)) for k, sel in selectors.items()}
         except PrometheusError as e:
             step["failures"] = [f"Prometheus query failed: {e}"]
         else:

@@ -8,12 +8,8 @@ canary that errors, is slow or gives invalid rankings is rolled back at the firs
 The faults are deterministic and far from the thresholds (every request fails; 11 s per call, whose p99 falls in
 the (10 s, 30 s] bucket, against a bound of stable p99 x 2 + 10 s, so a healthy answer delayed by a busy machine
 is not "slow" (one once took 2.5-5 s in CI); every ranking invalid), and nothing is timed: the analysis waits
-until Prometheus has scraped both revisions before and after each step's traffic, and each step's window starts
-at its first scrape, which is meant to keep one scenario's requests out of the next one's window.
-
-Known flake, not yet fixed: about one run in four, the invalid scenario run right after the slow one on the same
-worker counts one slow answer of the slow scenario in its canary p99 (29.4 s: the slow fault's bucket), so a
-request from before a step still reaches the step's window (deploy/canary.py revision_metrics) now and then.
+until Prometheus has scraped both revisions before and after each step's traffic and judges the exact difference
+of the two snapshots, so one scenario's requests stay out of the next one's step (test_a_step_counts_...).
 """
 
 from __future__ import annotations
@@ -31,13 +27,17 @@ from kubernetes.config import kube_config
 
 from components.artifact_store import ArtifactStore, LocalBackend
 from deploy.canary import (
+    LATENCY_BUCKET,
+    REQUESTS,
     REVISION_LABEL,
     agreement,
     analyze,
     check_steps,
+    histogram_quantile,
     judge,
     probe_failures,
     probe_set,
+    revision_metrics,
 )
 from deploy.rollout import FIELD_MANAGER, KserveKube, rollout
 from gr2.config import CanaryConfig
@@ -341,3 +341,37 @@ def test_probe_set_takes_the_test_lists_with_history(examples):
     assert probes[0]["candidates"] == list(first["candidates"]) and probes[0]["history"] == list(
         first["history"]
     )
+
+
+def series(name: str, value: float, **labels: str) -> tuple[frozenset[tuple[str, str]], float]:
+    return frozenset({"__name__": name, "instance": "pod-a", **labels}.items()), value
+
+
+def test_a_step_counts_only_what_happened_between_its_snapshots():
+    """The case that once failed the invalid scenario (1 run in 4): a canary whose only answers so far were 5
+    slow ones (11 s: the (10, 30] bucket) answers 5 fast ones in the step. Prometheus' increase() extrapolated
+    the fast buckets (starting at 0) less than the slow ones and read a p99 of 29 s; the step's p99 is fast."""
+    bounds = ("0.005", "0.01", "10", "30", "+Inf")
+    before = dict(series(LATENCY_BUCKET, 0.0 if b in ("0.005", "0.01", "10") else 5.0, le=b) for b in bounds)
+    before |= dict([series(REQUESTS, 5.0, status="200")])
+    after = dict(series(LATENCY_BUCKET, 5.0 if b in ("0.005", "0.01", "10") else 10.0, le=b) for b in bounds)
+    after |= dict([series(REQUESTS, 10.0, status="200"), series(REQUESTS, 2.0, status="500")])
+    m = revision_metrics(before, after)
+    assert m["requests"] == 7 and m["error_rate"] == pytest.approx(2 / 7)
+    assert m["p99_latency_s"] == pytest.approx(0.005 * 0.99)
+    assert m["validity"] is None and m["tokens_per_forward"] is None  # nothing ranked in the step
+    # a pod that restarted (its counter went down) counts its whole value; a new pod counts from zero
+    restarted = dict(
+        [series(REQUESTS, 3.0, status="200"), series(REQUESTS, 4.0, status="200", instance="pod-b")]
+    )
+    assert revision_metrics(dict([series(REQUESTS, 9.0, status="200")]), restarted)["requests"] == 7
+
+
+def test_histogram_quantile_is_prometheus_rule():
+    inf = float("inf")
+    assert histogram_quantile(0.5, {1.0: 2.0, 2.0: 4.0, inf: 4.0}) == pytest.approx(1.0)
+    assert histogram_quantile(0.99, {1.0: 0.0, 10.0: 1.0, 30.0: 3.0, inf: 3.0}) == pytest.approx(
+        10 + 20 * 1.97 / 2
+    )
+    assert histogram_quantile(0.99, {1.0: 0.0, inf: 2.0}) == 1.0  # in +Inf: the highest finite bound
+    assert histogram_quantile(0.99, {1.0: 0.0, inf: 0.0}) is None

@@ -1,12 +1,13 @@
 """Load test (a benchmark, not a test): concurrent HTTP clients against the re-ranking server, per decoder.
 
     python -m deploy.loadtest --model_uri <diffusion bundle> --ar_model_uri <AR teacher bundle> \
-        --decoders ar diffusion spec --concurrency 1 2 4 8 --requests 200 --out benchmarks/serving
+        --decoders ar diffusion spec --concurrency 1 2 4 8 32 --requests 200 --out benchmarks/serving
 starts one predictor per decoder on 127.0.0.1 (the AR rows decode the AR teacher; or use --url for a running server /
 the transformer), lets the decoders alternate in --turns turns at each concurrency level (side by side), sends v1 requests
 built from real examples (--examples parquet: user_id, history, candidates) or from the model's item catalogue,
 and writes <out>.json / <out>.md: rows of decoder, tau, concurrency, p50_ms, p95_ms, p99_ms, rps, errors,
-plus the command, machine and git sha.
+plus the command, machine, git sha and the machine's load average before and after. The diffusion and spec rows
+decode at the bundle's taus (its validated operating tau, and its spec_tau) unless --tau / --spec_tau say otherwise.
 """
 
 from __future__ import annotations
@@ -156,12 +157,27 @@ def compare(rows: list[dict[str, Any]], decoder: str = "diffusion") -> list[dict
     return out
 
 
+def bundle_tau(model_uri: str | None, key: str, given: float | None) -> float:
+    """The tau a decoder's rows use: `given`, else the bundle's (reranker.json `tau`: the operating tau chosen on
+    validation; `spec_tau`), else the profile default."""
+    if given is not None:
+        return given
+    cfg = Path(model_uri) / "reranker.json" if model_uri else None
+    found = json.loads(cfg.read_text()).get(key) if cfg and cfg.is_file() else None
+    return found if found is not None else getattr(DiffusionConfig, "eval_tau" if key == "tau" else key)
+
+
+def fmt_load(load: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in load)
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Serving load test",
         "",
         f"`{report['command']}`  ",
-        f"machine: {report['machine']}; git {report['git_sha']}",
+        f"machine: {report['machine']}; git {report['git_sha']}; load average (1, 5, 15 min) before "
+        f"{fmt_load(report['load_average']['before'])}, after {fmt_load(report['load_average']['after'])}",
         "",
         "| decoder | tau | concurrency | p50 ms | p95 ms | p99 ms | req/s | errors | server: queue p50 ms | model p50 ms |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -206,14 +222,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model_name", default="reranker")
     ap.add_argument("--examples", help="examples parquet to draw requests from")
     ap.add_argument("--decoders", nargs="+", default=["ar", "diffusion", "spec"])
-    ap.add_argument("--tau", type=float, default=0.9, help="the diffusion rows' commit threshold")
+    ap.add_argument(
+        "--tau", type=float, help="the diffusion rows' commit threshold (default: the bundle's operating tau)"
+    )
     ap.add_argument(
         "--spec_tau",
         type=float,
-        default=DiffusionConfig.spec_tau,
-        help="the spec rows' draft threshold (spec decodes AR's tokens at any tau; this one sets its speed)",
+        help="the spec rows' draft threshold (default: the bundle's; spec decodes AR's tokens at any tau, this one "
+        "sets its speed)",
     )
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8])
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 32])
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument(
         "--turns",
@@ -233,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sys.exit(
             f"spec needs a bundle that carries its verifier ({a.model_uri} has no {VERIFIER_DIR}/): pass --decoders"
         )
-    rows = []
+    rows, load_before = [], os.getloadavg()
     # Both servers stay up and the decoders alternate in short turns at each concurrency level, so a drift of
     # the machine hits AR and diffusion alike (the ratios are side by side). AR rows decode the AR teacher
     # (--ar_model_uri) when given: the student's own AR decoding is not the baseline the diffusion decoder is
@@ -244,7 +262,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             uri = a.ar_model_uri if decoder == "ar" and a.ar_model_uri else a.model_uri
             url = stack.enter_context(_server(a, uri))
             instances = load_instances(a.examples, uri, a.requests, a.n_candidates, a.seed)
-            tau = a.spec_tau if decoder == "spec" else a.tau
+            tau = (
+                bundle_tau(uri, "spec_tau", a.spec_tau)
+                if decoder == "spec"
+                else bundle_tau(uri, "tau", a.tau)
+            )
             asyncio.run(measure(url, a.model_name, instances, decoder, tau, 1, 3))  # warm-up, not recorded
             served[decoder] = (uri, url, instances, tau)
         for c in a.concurrency:
@@ -265,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": "python -m deploy.loadtest " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, python {platform.python_version()}",
         "git_sha": git_sha(short=True),
+        "load_average": {"before": load_before, "after": os.getloadavg()},  # 1, 5, 15 min
         "rows": rows,
         "diffusion_vs_ar": compare(rows, "diffusion"),
         "spec_vs_ar": compare(rows, "spec"),

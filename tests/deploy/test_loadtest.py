@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from deploy.loadtest import main, percentile
+from deploy.loadtest import bundle_tau, main, percentile
+from gr2.config import DiffusionConfig
 
 
 def test_percentile_nearest_rank():
@@ -70,8 +71,10 @@ def test_tiny_run_writes_report(predictor, model_dir, tmp_path):
         assert r["n"] == 12  # every request of every turn is counted once
         # the server's own split: the model call is part of what the client waited for
         assert 0 < r["model_p50_ms"] < r["p99_ms"] and r["queue_p50_ms"] >= 0
-    assert rows[0]["tau"] is None and rows[2]["tau"] == 0.9
-    assert "| diffusion | 0.9 | 4 |" in out.with_suffix(".md").read_text()
+    tau = bundle_tau(str(model_dir), "tau", None)  # the bundle's operating tau: no --tau given
+    assert rows[0]["tau"] is None and rows[2]["tau"] == tau
+    assert f"| diffusion | {tau} | 4 |" in out.with_suffix(".md").read_text()
+    assert len(report["load_average"]["before"]) == 3
     ratios = report["diffusion_vs_ar"]
     assert [c["concurrency"] for c in ratios] == [1, 4]
     assert ratios[0]["p50_ratio"] == round(rows[2]["p50_ms"] / rows[0]["p50_ms"], 3)
@@ -82,3 +85,14 @@ def test_spec_rows_need_a_bundle_with_its_verifier(tmp_path):
     with pytest.raises(SystemExit, match="spec needs a bundle that carries its verifier"):
         main(["--model_uri", str(tmp_path), "--decoders", "ar", "spec", "--out", str(tmp_path / "s")])
     assert not (tmp_path / "s.json").exists()
+
+
+def test_the_rows_decode_at_the_bundles_taus_unless_told(tmp_path):
+    (tmp_path / "reranker.json").write_text(json.dumps({"tau": 0.4, "spec_tau": 0.6}))
+    assert (
+        bundle_tau(str(tmp_path), "tau", None) == 0.4 and bundle_tau(str(tmp_path), "spec_tau", None) == 0.6
+    )
+    assert bundle_tau(str(tmp_path), "tau", 0.9) == 0.9
+    (tmp_path / "reranker.json").write_text(json.dumps({"name": "an old bundle"}))
+    assert bundle_tau(str(tmp_path), "tau", None) == DiffusionConfig.eval_tau
+    assert bundle_tau(None, "spec_tau", None) == DiffusionConfig.spec_tau  # --url without a bundle

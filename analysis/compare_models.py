@@ -5,6 +5,11 @@ The stage table gives each model's CI on its own; whether two close rows really 
 bootstrap samples as the profile), with B in the place of the floor:
 
     python -m analysis.compare_models --run runs/latest --a ar --b ar_sft --split test
+    python -m analysis.compare_models --run runs/latest --a ar --b ltr --split test
+
+A or B may also be one of the run's feature-only rankers: `ltr` (the GBDT the evaluate-floor step fitted and
+saved) or `teacher` (the reasoning teacher prepare-sft fitted, the trace's source), scored on the evidence
+prepare-sft saved (the features every model saw).
 
 prints (and with --out writes) JSON: the split, n lists, per metric A, B, A - B and its 95% CI, and `top1`: where
 the two top-1 choices differ, split by whether the held-out item was the upstream (retriever) order's first, and
@@ -18,13 +23,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from analysis.output import print_json
 from analysis.speed_check import find_bundles
 from components._lib.paths import repo_relative
+from components._lib.steps import LTR_DIR
+from gr2.evidence import Evidence
+from gr2.ltr import LTRModel
 from gr2.metrics import evaluate
 from gr2.stages.evaluate import load, rankings
+from gr2.stages.prepare import list_features
+from gr2.teacher import Teacher
 from pipelines.run_local import run_examples, run_profile
 
 
@@ -45,6 +56,26 @@ def top1_breakdown(
     return out
 
 
+FEATURE_RANKERS = ("ltr", "teacher")
+
+
+def run_folder(run: Path, pattern: str) -> Path:
+    """The (newest) folder of a run matching `pattern`."""
+    found = sorted(run.glob(pattern))
+    if not found:
+        raise SystemExit(f"no {pattern} under {run}: a run from before it was saved? rerun it")
+    return found[-1]
+
+
+def feature_rankings(run: Path, name: str, df: pd.DataFrame) -> list[list[int]]:
+    """A feature-only ranker's rankings of df's lists (`FEATURE_RANKERS`)."""
+    sft = run_folder(run, "kfp/*/prepare-sft/sft_data")
+    x = list_features(Evidence.load(sft / "evidence"), df)
+    if name == "teacher":
+        return Teacher.load(sft / "teacher.json").rank(x).tolist()
+    return LTRModel.load(run_folder(run, f"kfp/*/evaluate-floor/report/{LTR_DIR}")).rank(x)
+
+
 def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> dict:
     profile = run_profile(run)
     torch.set_num_threads(profile.eval.threads)
@@ -52,10 +83,11 @@ def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> 
     df = examples[examples["split"] == split].reset_index(drop=True)
     if df.empty:
         raise SystemExit(f"no examples in split {split!r}")
-    bundles = find_bundles(run, [a, b])
-    models = {name: load(bundles[name]) for name in (a, b)}
+    names = [n for n in (a, b) if n not in FEATURE_RANKERS]
+    models = {name: load(path) for name, path in find_bundles(run, names).items()}
     taus = {name: getattr(m, "tau", None) if tau is None else tau for name, m in models.items()}
     ranks = {name: rankings(m, df, taus[name], profile)[0] for name, m in models.items()}
+    ranks |= {name: feature_rankings(run, name, df) for name in (a, b) if name in FEATURE_RANKERS}
     n_boot, seed = profile.bootstrap_samples, profile.seed
     row_a = evaluate(df, ranks[a], floor_rankings=ranks[b], n_boot=n_boot, seed=seed)
     row_b = evaluate(df, ranks[b], n_boot=n_boot, seed=seed)
@@ -74,7 +106,7 @@ def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> 
         "a": a,
         "b": b,
         "split": split,
-        "tau": taus[a],
+        "tau": taus.get(a),
         "n": len(df),
         "metrics": metrics,
         "top1": top1,
@@ -84,8 +116,8 @@ def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", default="runs/latest", help="a run directory (make run / make bench)")
-    ap.add_argument("--a", required=True, help="bundle name, e.g. ar")
-    ap.add_argument("--b", required=True, help="bundle name, e.g. ar_sft")
+    ap.add_argument("--a", required=True, help="bundle name, e.g. ar; or ltr / teacher")
+    ap.add_argument("--b", required=True, help="bundle name, e.g. ar_sft; or ltr / teacher")
     ap.add_argument("--split", default="test", choices=["train", "val", "test"])
     ap.add_argument(
         "--tau", type=float, help="diffusion commit threshold (default: each model's operating tau)"

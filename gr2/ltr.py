@@ -8,10 +8,13 @@ grid scored by R@1 on the validation lists (NDCG@5 breaks ties); the test split 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
+import joblib
 import numpy as np
 from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.linear_model import LogisticRegression
@@ -79,6 +82,24 @@ class LTRModel:
 
     def rank(self, X: np.ndarray) -> list[list[int]]:
         return rankings_from_scores(self.scores(X))
+
+    def save(self, out: str | Path) -> Path:
+        """ltr.json (kind, params, validation scores, the grid) and the fitted estimator (estimator.joblib: loads
+        with the scikit-learn of the lock file, the one every image installs)."""
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"kind": self.kind, "params": self.params, "val": self.val, "grid": self.grid}
+        (out / "ltr.json").write_text(json.dumps(meta, indent=2) + "\n")
+        joblib.dump(self.estimator, out / "estimator.joblib")
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path) -> LTRModel:
+        p = Path(path)
+        meta = json.loads((p / "ltr.json").read_text())
+        return cls(
+            meta["kind"], meta["params"], joblib.load(p / "estimator.joblib"), meta["val"], meta["grid"]
+        )
 
 
 def _val_scores(model: LTRModel, X: np.ndarray, labels: np.ndarray) -> dict:

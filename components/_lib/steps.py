@@ -24,6 +24,7 @@ from gr2.config import Profile, load_profile
 from gr2.data.dataset import Dataset, load_dataset, resolve_dataset
 
 DATA_DOCS = "data_docs.html"  # a validation step's Great Expectations Data Docs page
+LTR_DIR = "ltr"  # in the evaluate-floor report: the fitted ranker behind its ltr row (gr2/ltr.py LTRModel)
 
 
 def as_profile(profile: str | Profile) -> Profile:
@@ -211,7 +212,8 @@ def evaluate_floor(
     profile: str | Profile = "quick",
     dataset: str = "",
 ) -> dict[str, Any]:
-    """Floor (retriever order), popularity and ltr rows on the test examples -> report.json / report.md."""
+    """Floor (retriever order), popularity and ltr rows on the test examples -> report.json / report.md, and the
+    fitted ltr in ltr/ (LTRModel.save: analysis.compare_models compares a model with it on any split)."""
     from gr2.ltr import fit_ltr, rankings_from_scores
     from gr2.metrics import evaluate as evaluate_rows
     from gr2.metrics import identity_rankings
@@ -282,6 +284,7 @@ def evaluate_floor(
     from gr2.report import write_report
 
     write_report(out_dir, report)
+    ltr.save(Path(out_dir) / LTR_DIR)
     return report
 
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from gr2.config import LTRConfig
 from gr2.evidence import FEATURE_NAMES
-from gr2.ltr import GRIDS, fit_ltr, list_features, rankings_from_scores
+from gr2.ltr import GRIDS, LTRModel, fit_ltr, list_features, rankings_from_scores
 
 
 def _lists(B: int, seed: int, n: int = 10):
@@ -41,6 +41,15 @@ def test_ltr_learns_signal_and_ranks(monkeypatch):
     a = fit_ltr(Xtr, ytr, Xva, yva, LTRConfig(model="gbdt", max_train_lists=300), seed=0)
     b = fit_ltr(Xtr, ytr, Xva, yva, LTRConfig(model="gbdt", max_train_lists=300), seed=0)
     np.testing.assert_array_equal(a.scores(Xte), b.scores(Xte))
+
+
+def test_a_saved_ltr_loads_and_scores_the_same(tmp_path):
+    Xtr, ytr = _lists(200, 0)
+    Xva, yva = _lists(100, 1)
+    m = fit_ltr(Xtr, ytr, Xva, yva, LTRConfig(model="logreg"), seed=0)
+    back = LTRModel.load(m.save(tmp_path / "ltr"))
+    assert (back.kind, back.params, back.val, back.grid) == (m.kind, m.params, m.val, m.grid)
+    np.testing.assert_array_equal(back.scores(Xva), m.scores(Xva))
 
 
 def test_helpers():

@@ -191,6 +191,12 @@ def test_local_run_writes_report(tmp_path):
     assert net == pytest.approx(cmp["n"] * r1["delta"])
     assert t["label_first"]["lists"] + t["label_not_first"]["lists"] == cmp["n"]
     assert json.loads((tmp_path / "c.json").read_text()) == cmp
+    # against the run's feature-only rankers, refitted nowhere: the saved ltr and teacher give the report's rows
+    for ranker in ("ltr", "teacher"):
+        cmp = compare_models(["--run", str(tmp_path / "smoke"), "--a", "ar", "--b", ranker])
+        r1 = cmp["metrics"]["recall@1"]
+        assert r1[ranker] == pytest.approx(rows[(ranker, None)]["recall@1"]), ranker
+        assert r1["ar"] == pytest.approx(rows[("ar", None)]["recall@1"])
 
 
 def test_failed_validation_stops_the_pipeline(tmp_path):

@@ -21,6 +21,7 @@ evaluation step, so A and B match their rows of report.json on the test split.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -33,6 +34,7 @@ from components._lib.steps import LTR_DIR
 from gr2.evidence import Evidence
 from gr2.ltr import LTRModel
 from gr2.metrics import evaluate
+from gr2.report import git_sha
 from gr2.stages.evaluate import load, rankings
 from gr2.stages.prepare import list_features
 from gr2.teacher import Teacher
@@ -102,6 +104,8 @@ def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> 
     }
     top1 = top1_breakdown(ranks[a], ranks[b], [int(y) for y in df["label"]], a, b)
     return {
+        "command": "python -m analysis.compare_models " + " ".join(sys.argv[1:]),
+        "git_sha": git_sha(),
         "run": repo_relative(str(Path(run).resolve())),
         "a": a,
         "b": b,

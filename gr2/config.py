@@ -119,7 +119,7 @@ class DiffusionConfig:
     tau_margin: float | None = 0.005
     # The spec decoder's draft threshold. spec's output is AR's whatever the draft (gr2/decode.py spec_generate), so
     # this only trades draft forwards against verifier forwards: chosen on validation speed (docs/RESULTS.md,
-    # 'The spec draft tau').
+    # 'The operating tau', its last paragraph).
     spec_tau: float = 0.4
     noise_eps: float = 1e-3  # CFT noise level t ~ U(noise_eps, 1] per block (bounds the 1/t weight)
     complementary: bool = True  # CFT: second view masks exactly the complement (Fast-dLLM v2)

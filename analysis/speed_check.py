@@ -7,6 +7,8 @@ profile's spec_tau, `ar` verifying), at batch 1 and the serving batch.
 
     python -m analysis.speed_check --run runs/latest --device cuda --out benchmarks/speed_cuda
 
+scripts/gpu_check.sh runs it on a GPU machine after the GPU tests, into benchmarks/speed_<gpu>.
+
 writes <out>.json (command, machine, device, run, `speed` rows as in report.json) and <out>.md.
 """
 
@@ -16,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -59,13 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--threads", type=int, default=0, help="torch CPU threads (0: the profile's eval.threads)"
     )
+    ap.add_argument(
+        "--repeats", type=int, default=0, help="speed repeats (0: the profile's eval.speed_repeats)"
+    )
     ap.add_argument("--out", default="benchmarks/speed_device", help="output prefix (.json and .md)")
     args = ap.parse_args(argv)
 
     run = Path(args.run).resolve()
     report = json.loads((run / "report.json").read_text())
     profile = run_profile(run)
-    ev = profile.eval
+    ev = replace(profile.eval, speed_repeats=args.repeats) if args.repeats else profile.eval
     torch.set_num_threads(args.threads or ev.threads)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     if "ar" not in names:

@@ -9,6 +9,10 @@ GR2_ALL_VARIANTS=1)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -16,7 +20,6 @@ import pytest
 from analysis.compare_models import main as compare_models
 from analysis.pad_vs_group import main as pad_vs_group
 from analysis.rounds_check import main as rounds_check
-from analysis.speed_check import main as speed_check
 from gr2.data import data_root
 from gr2.data.variants import VARIANTS, build_variant
 from pipelines.run_local import run_local, run_profile
@@ -128,24 +131,16 @@ def test_local_run_writes_report(tmp_path):
     assert sorted(p.stem for p in cards.glob("*.md")) == sorted(names)
     assert "block diffusion, block_size 4" in (cards / "rl.md").read_text()
     assert "(model_cards/rl.md)" in (tmp_path / "smoke" / "report.md").read_text()
-    # The speed re-measurement for another device (analysis/speed_check.py) reads the same run.
-    speed_check(
-        [
-            "--run",
-            str(tmp_path / "smoke"),
-            "--models",
-            "ar,rl",
-            "--device",
-            "cpu",
-            "--out",
-            str(tmp_path / "sp"),
-        ]
-    )
+    # The speed re-measurement for another device (scripts/gpu_check.sh -> analysis/speed_check.py) reads the same
+    # run; without a GPU here, on the CPU, with 2 repeats.
+    env = {**os.environ, "DEVICE": "cpu", "MODELS": "ar,rl", "REPEATS": "2", "OUT": str(tmp_path / "sp")}
+    script = Path(__file__).parents[2] / "scripts" / "gpu_check.sh"
+    subprocess.run([str(script), str(tmp_path / "smoke")], env={**env, "PY": sys.executable}, check=True)
     sp = json.loads((tmp_path / "sp.json").read_text())
     assert [(s["model"], s["tau"], s["batch"]) for s in sp["speed"]] == [
         (m, t, b) for b in (1, 4) for m, t in (("ar", None), ("rl", 1.0), ("rl", 0.5), ("spec", spec_tau))
     ]
-    assert all(s["tokens_per_s"] > 0 for s in sp["speed"])
+    assert all(s["tokens_per_s"] > 0 and s["repeats"] == 2 for s in sp["speed"])
     assert [s["speedup_vs_ar"] for s in sp["speed"] if s["model"] == "ar"] == [1.0, 1.0]
     # Mixed lengths in one padded call or one call per length (analysis/pad_vs_group.py): the same rankings.
     pad_vs_group(

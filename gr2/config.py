@@ -278,7 +278,7 @@ class RLConfig:
     # that CFT's certainty forcing bought (diffusion.certainty_weight). 0 = off.
     certainty_weight: float = 0.0
     # Validation lists (seeded sample of split "val"; 0 = no check) on which the RL weights must score at least
-    # the parent's recall@1 (greedy, tau as above) to replace them; otherwise the stage keeps the parent's weights
+    # the parent's recall@1 (greedy, at diffusion.eval_tau) to replace them; otherwise the stage keeps the parent's weights
     # and says so in its bundle metadata ("validation"). RL that raises the training reward can lower recall on
     # lists it never saw (docs/RESULTS.md, 'AR RL').
     val_lists: int = 500

@@ -461,14 +461,18 @@ def train_rl(
     )
     val = validation_lists(examples, rc.val_lists, profile.seed)
     decoder = "diffusion" if bs > 0 else "ar"
-    before = validation_recall(rr, val, decoder, rc.tau, profile)
+    # The guard decodes at the profile's operating tau (what the gate judges and serving decodes, unless
+    # diffusion.tau_margin chooses another below), not at the rollouts' tau: RL can help at one and hurt at the other.
+    guard_tau = profile.diffusion.eval_tau
+    before = validation_recall(rr, val, decoder, guard_tau, profile)
     res = _run(model, batches, lambda m, b: fn(m, b), _train_cfg(rc, profile.seed), out / "train")
-    after = validation_recall(rr, val, decoder, rc.tau, profile)
+    after = validation_recall(rr, val, decoder, guard_tau, profile)
     kept = "parent" if before is not None and after is not None and after < before else "rl"
     if kept == "parent":  # RL lowered recall on lists it never trained on: serve the parent's weights
         model = load_model(Path(bundle) / "model")[0]  # only the weights: the rest is loaded already
     validation: dict[str, Any] = {
         "lists": len(val),
+        "tau": guard_tau if bs > 0 else None,
         "recall@1_parent": before,
         "recall@1_rl": after,
         "kept": kept,

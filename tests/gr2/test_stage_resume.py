@@ -45,7 +45,7 @@ OVERRIDES = {
     "data.n_candidates": 4,  # short prompts and responses: cheap rollouts
     "model": {"d_model": 32, "n_layer": 1, "n_head": 2, "d_ff": 64, "max_len": 320},
     "sft": {"lr": 0.01, "batch_size": 16, "max_steps": 2, "warmup": 1, "checkpoint_every": 0, "log_every": 0},
-    "diffusion": {"block_size": 4},
+    "diffusion": {"block_size": 4, "eval_tau": 0.6},  # not the rollouts' tau (rl.tau 0.9): the guard reads it
     "opd": {**ON_POLICY, "rollouts_per_prompt": 2, "prompts_per_step": 2},
     "rl": {**ON_POLICY, "group_size": 2, "prompts_per_step": 2},
 }
@@ -163,9 +163,13 @@ def test_rl_keeps_its_parent_when_validation_recall_drops(bundles, tmp_path, mon
     """RL replaces the parent's weights only if recall@1 on the validation lists does not drop (ties keep RL);
     the bundle metadata says which weights it holds and why."""
     calls = iter(scores)  # the parent's validation recall, then the RL weights'
-    monkeypatch.setattr(opd_rl, "validation_recall", lambda *a: next(calls))
+    taus = []
+    monkeypatch.setattr(opd_rl, "validation_recall", lambda r, v, d, tau, p: taus.append(tau) or next(calls))
     bundle = run("rl", bundles, tmp_path / "rl")
     v = json.loads((bundle / "reranker.json").read_text())["validation"]
+    assert (
+        taus[:2] == [v["tau"]] * 2 and v["tau"] == load_profile("quick", OVERRIDES).diffusion.eval_tau
+    )  # as served
     assert v["kept"] == kept and (v["recall@1_parent"], v["recall@1_rl"]) == scores and v["lists"] > 0
     got = load_file(bundle / "model" / "model.safetensors")
     parent = load_file(bundles / "naive" / "model" / "model.safetensors")

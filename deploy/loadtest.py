@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from gr2.config import DiffusionConfig
-from gr2.inference import VERIFIER_DIR
+from gr2.inference import CONFIG_FILE, VERIFIER_DIR
 from gr2.report import git_sha
 from serving.schema import ServeConfig
 from serving.serve_local import running, wait_ready
@@ -158,13 +158,17 @@ def compare(rows: list[dict[str, Any]], decoder: str = "diffusion") -> list[dict
 
 
 def bundle_tau(model_uri: str | None, key: str, given: float | None) -> float:
-    """The tau a decoder's rows use: `given`, else the bundle's (reranker.json `tau`: the operating tau chosen on
-    validation; `spec_tau`), else the profile default."""
-    if given is not None:
-        return given
-    cfg = Path(model_uri) / "reranker.json" if model_uri else None
-    found = json.loads(cfg.read_text()).get(key) if cfg and cfg.is_file() else None
-    return found if found is not None else getattr(DiffusionConfig, "eval_tau" if key == "tau" else key)
+    """The tau a decoder's rows use: `given`, else the bundle's ("tau": BundleConfig.operating_tau, the one chosen
+    on validation; "spec_tau": draft_tau), else the profile default (an AR bundle, or --url without a bundle)."""
+    default = DiffusionConfig.eval_tau if key == "tau" else DiffusionConfig.spec_tau
+    cfg = Path(model_uri) / CONFIG_FILE if model_uri else None
+    if given is not None or cfg is None or not cfg.is_file():
+        return default if given is None else given
+    from gr2.generative import BundleConfig  # torch and transformers: only when a bundle is read
+
+    bundle = BundleConfig.from_dict(json.loads(cfg.read_text()))
+    tau = bundle.operating_tau() if key == "tau" else bundle.draft_tau()
+    return default if tau is None else tau
 
 
 def fmt_load(load: list[float]) -> str:

@@ -87,12 +87,15 @@ def test_spec_rows_need_a_bundle_with_its_verifier(tmp_path):
     assert not (tmp_path / "s.json").exists()
 
 
+DIFFUSION = {"max_new_tokens": 40, "block_size": 4}  # what every diffusion bundle's reranker.json holds
+
+
 def test_the_rows_decode_at_the_bundles_taus_unless_told(tmp_path):
-    (tmp_path / "reranker.json").write_text(json.dumps({"tau": 0.4, "spec_tau": 0.6}))
+    (tmp_path / "reranker.json").write_text(json.dumps({**DIFFUSION, "tau": 0.4, "spec_tau": 0.6}))
     assert (
         bundle_tau(str(tmp_path), "tau", None) == 0.4 and bundle_tau(str(tmp_path), "spec_tau", None) == 0.6
     )
     assert bundle_tau(str(tmp_path), "tau", 0.9) == 0.9
-    (tmp_path / "reranker.json").write_text(json.dumps({"name": "an old bundle"}))
+    (tmp_path / "reranker.json").write_text(json.dumps({**DIFFUSION, "name": "an old bundle"}))
     assert bundle_tau(str(tmp_path), "tau", None) == DiffusionConfig.eval_tau
     assert bundle_tau(None, "spec_tau", None) == DiffusionConfig.spec_tau  # --url without a bundle

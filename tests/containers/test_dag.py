@@ -68,8 +68,12 @@ def test_containerized_dag_report_matches_the_venv_run(dag):
             k: v for k, v in a.items() if isinstance(v, float) and "loss" in k or "kl_" in k or "reward" in k
         }
         # abs: a policy-gradient loss whose advantages sum to zero is float32 rounding (~1e-8), and its last
-        # digits follow the summation order (a fresh-clone CI read -8.4e-9 in the image against -1.2e-8 in the venv)
-        assert learned and learned == pytest.approx({k: b[k] for k in learned}, rel=1e-4, abs=1e-6), stage
+        # digits follow the summation order (a fresh-clone CI read -8.4e-9 in the image against -1.2e-8 in the venv).
+        # rel: the two runs are bitwise equal almost always (four reruns here, and 12 repeats of the AR stage under
+        # load in each), but one CI run at 0de66a1 had the image's AR teacher differ in the last bit of its step-1
+        # gradient norm; the stages after it carry that forward and grow it: cft's loss 4e-6 apart, opd's KLs
+        # 3.0e-4. 1e-3 passes that with room; another seed moves the AR teacher's final loss alone by 1.4%.
+        assert learned and learned == pytest.approx({k: b[k] for k in learned}, rel=1e-3, abs=1e-6), stage
 
 
 def test_every_step_ran_in_the_image_the_pipeline_names(dag, images, tmp_path):

@@ -247,6 +247,9 @@ class OPDConfig:
     bf16: bool = False
 
 
+REWARD_GAINS = ("rank", "dcg")  # RLConfig.reward (gr2/reward.py)
+
+
 @dataclass(frozen=True)
 class RLConfig:
     """GRPO/DAPO (docs/PAPER.md, RL; GR2 stage 3); one implementation for the AR teacher and the diffusion student."""
@@ -254,6 +257,9 @@ class RLConfig:
     group_size: int = 8  # G rollouts per prompt
     prompts_per_step: int = 8
     alpha: float = 0.2  # conditional format bonus weight
+    # How the reward measures the held-out item's promotion (gr2/reward.py GAINS): "rank", GR2's linear
+    # (before - after) / N; "dcg", the change in its DCG, which pays for the top places as R@1 judges them.
+    reward: str = "rank"
     clip_eps: float = 0.2  # epsilon_low
     clip_eps_high: float = 0.2  # epsilon_high (> clip_eps = DAPO clip-higher, e.g. 0.28)
     temperature: float = 1.0  # rollout sampling temperature (group diversity)
@@ -282,6 +288,10 @@ class RLConfig:
     # and says so in its bundle metadata ("validation"). RL that raises the training reward can lower recall on
     # lists it never saw (docs/RESULTS.md, 'AR RL').
     val_lists: int = 500
+
+    def __post_init__(self) -> None:
+        if self.reward not in REWARD_GAINS:
+            raise ValueError(f"rl.reward {self.reward!r}: expected one of {REWARD_GAINS}")
 
 
 @dataclass(frozen=True)

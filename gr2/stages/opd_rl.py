@@ -136,7 +136,9 @@ class RLBatches:
         ro = sample(self.model, rep, how, _generator(self.seed, step))
         sample_s = time.perf_counter() - t0
         scored = [
-            response_reward(row, self.labels[i], self.sizes[i], self.tokenizer, rc.alpha, self.pre_ranks[i])
+            response_reward(
+                row, self.labels[i], self.sizes[i], self.tokenizer, rc.alpha, self.pre_ranks[i], rc.reward
+            )
             for i, row in zip(rows_of, ro.tokens.tolist(), strict=True)
         ]
         rewards = torch.tensor([r for r, _ in scored]).view(len(idx), G)

@@ -80,3 +80,29 @@ def test_response_reward_parses_tokens(tok):
     # no eos (ran out of tokens): overflow is invalid even if the JSON is complete
     r, valid = response_reward(_ids(tok, render_response(None, IDENTITY), eos=False), 0, N, tok)
     assert not valid and r == -1.0
+
+
+def test_dcg_gain_pays_for_the_top_places():
+    # 1 -> 0 earns 1 - 1/log2(3) = 0.369, 3 -> 2 earns 1/log2(4) - 1/log2(5) = 0.069; linear pays 0.1 for both
+    assert rank_reward([1, 0, 2, 3, 4, 5, 6, 7, 8, 9], 1, N, gain="dcg") == pytest.approx(
+        0.3691 + 0.2, abs=1e-4
+    )
+    assert rank_reward([0, 1, 3, 2, 4, 5, 6, 7, 8, 9], 3, N, gain="dcg") == pytest.approx(
+        0.0693 + 0.2, abs=1e-4
+    )
+    # the same rules around it: copying the retriever pays nothing, demoting the first keeps the bonus
+    assert rank_reward(IDENTITY, 4, N, gain="dcg") == 0.0
+    assert rank_reward([1, 0, 2, 3, 4, 5, 6, 7, 8, 9], 0, N, gain="dcg") == pytest.approx(
+        -0.3691 + 0.2, abs=1e-4
+    )
+    assert rank_reward(None, 3, N, gain="dcg") == INVALID_REWARD
+    with pytest.raises(ValueError, match="gain"):
+        rank_reward(IDENTITY, 3, N, gain="ndcg")
+
+
+def test_an_unknown_rl_reward_fails_when_the_profile_loads():
+    from gr2.config import load_profile
+
+    assert load_profile("smoke", {"ar_rl.reward": "dcg"}).ar_rl.reward == "dcg"
+    with pytest.raises(ValueError, match="rl.reward 'top'"):
+        load_profile("smoke", {"rl.reward": "top"})

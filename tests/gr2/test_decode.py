@@ -211,6 +211,47 @@ def test_spec_is_lossless_with_a_useless_draft_and_a_good_draft_saves_verificati
     assert n_good < n_noise
 
 
+class SecondChoice(Scripted):
+    """`Scripted`, with a second choice at every position: `second`'s token there (score 5 against the script's
+    10), which the verifier writes where the rules ban its first."""
+
+    def __init__(self, inner: torch.nn.Module, items: list, second: list):
+        super().__init__(inner, items)
+        self.second = Scripted(inner, second).resp
+
+    def forward(self, **kw):
+        out = super().forward(**kw)
+        rows = self._rows(kw.get("cache"), out.logits.shape[0])
+        at = kw["position_ids"][:, -out.logits.shape[1] :] + 1 - self.prompt_len[rows, None]
+        tok = self.second[rows].gather(1, at.clamp(0, self.second.shape[1] - 1))
+        out.logits += 5.0 * torch.nn.functional.one_hot(tok, self.config.vocab_size).float()
+        return out
+
+
+def test_spec_mends_a_swap_of_two_labels_in_one_more_verification(trace_models):
+    """The draft writes the verifier's response with its first two answer labels swapped. The first verification
+    corrects the first label; its arg-max at the second label's place (the label now at the first is banned there,
+    as the draft's prefix wrote it) repeats the corrected one, so the label it displaced takes that place instead:
+    the second verification keeps the whole response. One block, so: the prefill and two verifications."""
+    ar, diff = trace_models
+    items = trace_items(6, 3)
+    swapped = []
+    for p, r, w in items:
+        k = (len(p) - 1) // 2  # the answer's first two labels sit 2k + 2 and 2k + 4 into the response
+        r = list(r)
+        r[2 * k + 2], r[2 * k + 4] = r[2 * k + 4], r[2 * k + 2]
+        swapped.append((p, r, w))
+    verifier, draft = SecondChoice(ar, items, swapped), Scripted(diff, swapped)
+    ps, kw = [p for p, _, _ in items], {"rules": DecodeRules(ANSWER_IDS)}
+    want, _ = ar_generate(verifier, ps, 24, EOS, **kw)
+    assert [row[: len(r)] for row, (_, r, _) in zip(want.tolist(), items, strict=True)] == [
+        r for _, r, _ in items
+    ]
+    got, _, n_verify = spec_generate(draft, verifier, ps, 24, 24, 0.5, MASK, EOS, **kw)
+    assert torch.equal(got, want)
+    assert n_verify == 3
+
+
 def test_spec_counts_forwards(models):
     ar, diff = models
     d_calls, hd = count_forwards(diff)

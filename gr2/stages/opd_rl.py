@@ -137,7 +137,13 @@ class RLBatches:
         sample_s = time.perf_counter() - t0
         scored = [
             response_reward(
-                row, self.labels[i], self.sizes[i], self.tokenizer, rc.alpha, self.pre_ranks[i], rc.reward
+                row,
+                self.labels[i],
+                self.sizes[i],
+                self.tokenizer,
+                alpha=rc.alpha,
+                rank_before=self.pre_ranks[i],
+                gain=rc.reward,
             )
             for i, row in zip(rows_of, ro.tokens.tolist(), strict=True)
         ]

@@ -81,7 +81,9 @@ def bundles(tmp_path_factory):
     return root
 
 
-def token_reward(response, label, n, tokenizer, alpha=0.2, rank_before=None) -> tuple[float, bool]:
+def token_reward(
+    response, label, n, tokenizer, alpha=0.2, rank_before=None, gain="rank"
+) -> tuple[float, bool]:
     """A reward that differs between any two different rollouts of one prompt: a checksum of their tokens."""
     return sum((i + 1) * int(t) for i, t in enumerate(response)) % 97 / 97, False
 

@@ -257,7 +257,7 @@ class RLConfig:
     group_size: int = 8  # G rollouts per prompt
     prompts_per_step: int = 8
     alpha: float = 0.2  # conditional format bonus weight
-    # How the reward measures the held-out item's promotion (gr2/reward.py GAINS): "rank", GR2's linear
+    # How the reward measures the held-out item's promotion (gr2/reward.py): "rank", GR2's linear
     # (before - after) / N; "dcg", the change in its DCG, which pays for the top places as R@1 judges them.
     reward: str = "rank"
     clip_eps: float = 0.2  # epsilon_low

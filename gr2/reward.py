@@ -31,9 +31,6 @@ from gr2.prompt import parse_response, parse_trace, response_trace
 INVALID_REWARD = -1.0
 
 
-GAINS = REWARD_GAINS  # how R_rank measures the held-out item's promotion (module docstring)
-
-
 def dcg_gain(rank: int) -> float:
     """The DCG of a list whose one relevant item sits at 0-based `rank`."""
     return 1.0 / math.log2(rank + 2)
@@ -49,15 +46,15 @@ def rank_reward(
 ) -> float:
     """R for one list: `ranking` = candidate indices best first (None = invalid), `label` = the target's index
     in the prompt, `rank_before` = its retriever rank (default: `label`, the prompt in retriever order), `gain`:
-    one of `GAINS`."""
+    how R_rank measures the promotion, one of `REWARD_GAINS` (module docstring)."""
     if ranking is None:
         return INVALID_REWARD
     before = label if rank_before is None else rank_before
     for name, v in (("label", label), ("rank_before", before)):
         if not 0 <= v < n:
             raise ValueError(f"{name} {v} outside 0..{n - 1}")
-    if gain not in GAINS:
-        raise ValueError(f"gain {gain!r}: expected one of {GAINS}")
+    if gain not in REWARD_GAINS:
+        raise ValueError(f"gain {gain!r}: expected one of {REWARD_GAINS}")
     after = list(ranking).index(label)
     r_rank = (before - after) / n if gain == "rank" else dcg_gain(after) - dcg_gain(before)
     bonus = alpha if (r_rank > 0 or before == 0) else 0.0

@@ -181,27 +181,32 @@ ARStep = Callable[[Decoding, int], torch.Tensor]
 
 def ar_loop(d: Decoding, step: ARStep, pick: PickRule | None) -> None:
     """AR decoding: one token per forward, for every row, until every row has its eos."""
-    resp, rules = d.resp, d.rules
     for t in range(d.L):
-        logits = step(d, t)
-        d.nfe += 1
-        if rules is not None:
-            logits = rules.ar_logits(logits, resp, t)
-        if pick is None:
-            tok = logits.argmax(-1)
-        else:
-            tok, lp = pick(logits)
-            if d.logprobs is not None:
-                d.logprobs[:, t] = lp.masked_fill(d.done, 0.0)
-        if d.eos_id is not None:
-            tok = tok.masked_fill(d.done, d.eos_id)
-        resp[:, t] = tok
-        if rules is not None:
-            rules.seen |= tok[:, None] == rules.unique
-        if d.eos_id is not None:
-            d.done |= tok == d.eos_id
-            if bool(d.done.all()):
-                break
+        ar_commit(d, step(d, t), t, pick)
+        if d.eos_id is not None and bool(d.done.all()):
+            break
+
+
+def ar_commit(d: Decoding, logits: torch.Tensor, t: int, pick: PickRule | None) -> None:
+    """One AR step's bookkeeping: the token of response column t from its logits [B, V] (one forward, counted),
+    under the rules; a finished row gets eos."""
+    resp, rules = d.resp, d.rules
+    d.nfe += 1
+    if rules is not None:
+        logits = rules.ar_logits(logits, resp, t)
+    if pick is None:
+        tok = logits.argmax(-1)
+    else:
+        tok, lp = pick(logits)
+        if d.logprobs is not None:
+            d.logprobs[:, t] = lp.masked_fill(d.done, 0.0)
+    if d.eos_id is not None:
+        tok = tok.masked_fill(d.done, d.eos_id)
+    resp[:, t] = tok
+    if rules is not None:
+        rules.seen |= tok[:, None] == rules.unique
+    if d.eos_id is not None:
+        d.done |= tok == d.eos_id
 
 
 @torch.no_grad()
@@ -393,30 +398,35 @@ def block_loop(
     d: Decoding, block_size: int, how: Commit, logits: Logits, verify: Verification | None = None
 ) -> None:
     """The block skeleton of every block decoder. Blocks of `block_size` are aligned at the response start (the
-    last one is cut at L). Each starts as a canvas of masks; each round predicts the open positions (`logits`)
-    and commits per `how` (`commit_round`), then the trace's forced labels; an eos ends its row once every
-    position before it is decoded. `verify` (spec) then checks the finished block."""
-    end, rules = 0, d.rules
+    last one is cut at L). Each starts as a canvas of masks (`open_block`) and is decoded by `run_block`."""
+    end = 0
     for s0 in range(0, d.L, block_size):
         if bool(d.done.all()):
             break
         end = min(s0 + block_size, d.L)
-        blk = open_block(d, s0, end, None if verify is None else verify.first)
-        while not bool(blk.committed.all()):
-            blk.eos_seen |= commit_round(logits(d, blk), blk, how, rules, d.rnd)
-            if rules is not None and blk.per_round:  # the slots this round left: the next round's too (forced
-                # commits write answer slots only, and the slots read only trace tokens)
-                blk.slots, blk.per_round = rules.round_slots(d.resp, blk.committed, s0)
-            if rules is not None and blk.slots is not None and how.commit_fn is None:
-                forced_commits(
-                    blk.slots, blk.tokens, blk.committed, rules.seen, rules.unique, blk.traj, d.rnd
-                )
-            d.rnd += 1
-            if blk.eos_seen and how.eos_id is not None:
-                finish_rows(blk, d.done, how.eos_id, d.fill)
-        if verify is not None:
-            verify(d, blk)
+        run_block(d, open_block(d, s0, end, None if verify is None else verify.first), how, logits, verify)
     d.resp[:, end:] = d.fill  # blocks never reached because every row had finished
+
+
+def run_block(
+    d: Decoding, blk: Block, how: Commit, logits: Logits, verify: Verification | None = None
+) -> None:
+    """The rounds of one open block: each predicts the open positions (`logits`) and commits per `how`
+    (`commit_round`), then the trace's forced labels; an eos ends its row once every position before it is
+    decoded. `verify` (spec) then checks the finished block."""
+    rules, s0 = d.rules, blk.s0
+    while not bool(blk.committed.all()):
+        blk.eos_seen |= commit_round(logits(d, blk), blk, how, rules, d.rnd)
+        if rules is not None and blk.per_round:  # the slots this round left: the next round's too (forced
+            # commits write answer slots only, and the slots read only trace tokens)
+            blk.slots, blk.per_round = rules.round_slots(d.resp, blk.committed, s0)
+        if rules is not None and blk.slots is not None and how.commit_fn is None:
+            forced_commits(blk.slots, blk.tokens, blk.committed, rules.seen, rules.unique, blk.traj, d.rnd)
+        d.rnd += 1
+        if blk.eos_seen and how.eos_id is not None:
+            finish_rows(blk, d.done, how.eos_id, d.fill)
+    if verify is not None:
+        verify(d, blk)
 
 
 # ---------------------------------------------------------------------------------------------- diffusion

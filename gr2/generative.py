@@ -32,6 +32,7 @@ import torch
 from transformers import PreTrainedModel
 
 from gr2.config import DiffusionConfig
+from gr2.continuous import STREAM_DECODERS, Stream, StreamConfig
 from gr2.decode import ar_generate, diffusion_generate, spec_generate
 from gr2.evidence import Evidence
 from gr2.inference import (
@@ -236,9 +237,7 @@ class GenerativeReranker:
         """Rankings of lists of any lengths 2..N in one call (the decoder pads prompts; evidence pads lists). A
         request without one known history id goes to the cold-start ranker when the bundle has one. tau: as
         `decode`'s."""
-        cold = [
-            self.cold_start is not None and not any(h in self.sids.codes for h in r.history) for r in requests
-        ]
+        cold = [self.cold(r) for r in requests]
         warm = [r for r, c in zip(requests, cold, strict=True) if not c]
         decoded = iter(self.decode_requests(warm, decoder, tau) if warm else [])
         cold_ranked = iter(self.cold_rank([r for r, c in zip(requests, cold, strict=True) if c]))
@@ -251,20 +250,46 @@ class GenerativeReranker:
         prompts = self.encode_prompts([r.history for r in requests], [r.candidates for r in requests])
         out = self.decode(prompts, decoder, tau)
         per_nfe = out.nfe / max(len(requests), 1)  # nfe is shared by a batch; report the per-request share
-        results = []
-        for req, resp in zip(requests, out.responses, strict=True):
-            ranking, valid, reason, trace = self.read_answer(resp, len(req.candidates))
-            results.append(
-                RankResult(
-                    ranking=[req.candidates[i] for i in ranking],
-                    valid=valid,
-                    reason=reason,
-                    nfe=int(round(per_nfe)),
-                    n_tokens=len(resp),
-                    trace=trace,
-                )
-            )
-        return results
+        return [self.result(req, resp, per_nfe) for req, resp in zip(requests, out.responses, strict=True)]
+
+    def result(self, request: RankRequest, response: list[int], nfe: float) -> RankResult:
+        """A decoded response (up to its eos) as the request's RankResult; nfe: its share of the forwards."""
+        ranking, valid, reason, trace = self.read_answer(response, len(request.candidates))
+        return RankResult(
+            ranking=[request.candidates[i] for i in ranking],
+            valid=valid,
+            reason=reason,
+            nfe=int(round(nfe)),
+            n_tokens=len(response),
+            trace=trace,
+        )
+
+    # ------------------------------------------------------------------ continuous batching (serving/batcher.py)
+    def stream(self, decoder: str, tau: float | None, max_rows: int) -> Stream:
+        """A running decode that requests join and leave (gr2/continuous.py): "ar", or "diffusion" at tau (None:
+        this model's own). `prompt` and `stream_result` are a request's way in and out."""
+        if decoder not in STREAM_DECODERS:
+            raise ValueError(f"decoder must be one of {list(STREAM_DECODERS)} to stream, got {decoder!r}")
+        tau = self.decode_tau(decoder, tau)
+        bs = self.block_size if decoder == "diffusion" else 0
+        mask, eos = self.tokenizer.mask_token_id, self.tokenizer.eos_token_id
+        cfg = StreamConfig(self.max_new_tokens, eos, bs, tau, mask, self.rules, max_rows)
+        return Stream(self.model, cfg)
+
+    def prompt(self, request: RankRequest) -> list[int] | None:
+        """The prompt ids the model decodes for a request; None for a request `rank` sends to the cold-start
+        ranker (`cold_rank` ranks it)."""
+        if self.cold(request):
+            return None
+        return self.encode_prompts([request.history], [request.candidates])[0]
+
+    def stream_result(self, request: RankRequest, tokens: list[int], nfe: float) -> RankResult:
+        """A stream's row (`Finished.tokens`) as the request's RankResult."""
+        return self.result(request, _until_eos(tokens, self.tokenizer.eos_token_id), nfe)
+
+    def cold(self, request: RankRequest) -> bool:
+        """Whether the cold-start ranker ranks this request: the bundle has one and no history id is known."""
+        return self.cold_start is not None and not any(h in self.sids.codes for h in request.history)
 
     def cold_rank(self, requests: list[RankRequest]) -> list[RankResult]:
         """The cold-start ranker's rankings (always valid; no decoding): its listwise scores of each candidate's
@@ -342,14 +367,9 @@ class GenerativeReranker:
         records (`BundleConfig.operating_tau`; spec: its draft tau); AR decodes without one."""
         if decoder not in DECODERS:
             raise ValueError(f"decoder must be one of {list(DECODERS)}, got {decoder!r}")
-        if decoder != "ar" and self.block_size < 1:
-            raise ValueError(f"{self.name} is an AR model (block_size 0): use decoder='ar'")
         if decoder == "spec" and self.verifier is None:
             raise ValueError(f"{self.name} has no verifier (bundle without verifier/): 'spec' needs one")
-        if tau is None:
-            tau = {"diffusion": self.tau, "spec": self.spec_tau}.get(decoder) or 1.0  # (AR reads no tau)
-        if not 0.0 < tau <= 1.0:
-            raise ValueError(f"tau must be in (0, 1], got {tau}")
+        tau = self.decode_tau(decoder, tau)
         batch = batch_size or self.batch_size
         eos = self.tokenizer.eos_token_id
         responses: list[list[int]] = []
@@ -364,6 +384,16 @@ class GenerativeReranker:
             verifier_nfe += n_verify
             responses += [_until_eos(row, eos) for row in toks.tolist()]
         return Decoded(responses, nfe, seconds, verifier_nfe)
+
+    def decode_tau(self, decoder: str, tau: float | None) -> float:
+        """The tau a decoder runs at: `tau`, or this model's own (`decode`'s docstring); checked."""
+        if decoder != "ar" and self.block_size < 1:
+            raise ValueError(f"{self.name} is an AR model (block_size 0): use decoder='ar'")
+        if tau is None:
+            tau = {"diffusion": self.tau, "spec": self.spec_tau}.get(decoder) or 1.0  # (AR reads no tau)
+        if not 0.0 < tau <= 1.0:
+            raise ValueError(f"tau must be in (0, 1], got {tau}")
+        return tau
 
     def _decode_chunk(
         self, chunk: list[list[int]], decoder: str, tau: float

@@ -24,7 +24,7 @@ the decoders ask it for the bans of a position and for a block's slots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -142,9 +142,15 @@ class Slots(NamedTuple):
         )
 
 
-def answer_slots(rule: TraceRule, resp: torch.Tensor, known: torch.Tensor, n: torch.Tensor) -> Slots:
+def answer_slots(
+    rule: TraceRule,
+    resp: torch.Tensor,
+    known: torch.Tensor,
+    n: torch.Tensor,
+    offset: torch.Tensor | None = None,
+) -> Slots:
     """The positions of response [B, T] where the trace rules the answer (`known`: decoded positions; n [B]:
-    candidates per row). A row whose trace is decoded and well formed (label i then one level, for i < n) rules
+    candidates per row; offset [B]: the column where each row's response starts, 0 by default: gr2/continuous.py). A row whose trace is decoded and well formed (label i then one level, for i < n) rules
     its answer's k-th label position: only a candidate whose level is the trace's k-th highest may go there; and
     no label may go anywhere else after the trace (a label written past the answer would take a slot's label).
     A row whose trace still has an undecoded position makes its answer's label positions wait: a parallel round
@@ -154,28 +160,31 @@ def answer_slots(rule: TraceRule, resp: torch.Tensor, known: torch.Tensor, n: to
     dev = resp.device
     active = torch.zeros(B, T, dtype=torch.bool, device=dev)
     allowed = torch.zeros(B, T, K, dtype=torch.bool, device=dev)
-    if T <= 2 * int(n.min()):  # no row is past its trace
+    o = torch.zeros_like(n) if offset is None else offset
+    trace_end = o + 2 * n  # [B]
+    if T <= int(trace_end.min()):  # no row is past its trace
         return Slots(active, allowed, active.clone(), active.clone())
     i = torch.arange(K, device=dev)
-    lab_col, lev_col = (2 * i).clamp(max=T - 1), (2 * i + 1).clamp(max=T - 1)
-    is_level = resp[:, lev_col, None] == rule.levels.to(dev)  # [B, K, S]
+    lab_col = (o[:, None] + 2 * i).clamp(max=T - 1)  # [B, K]
+    lev_col = (lab_col + 1).clamp(max=T - 1)
+    is_level = resp.gather(1, lev_col)[..., None] == rule.levels.to(dev)  # [B, K, S]
     entry_ok = (
-        (resp[:, lab_col] == rule.labels.to(dev))
+        (resp.gather(1, lab_col) == rule.labels.to(dev))
         & is_level.any(-1)
-        & known[:, lab_col]
-        & known[:, lev_col]
-        & (2 * i + 1 < T)
+        & known.gather(1, lab_col)
+        & known.gather(1, lev_col)
+        & (o[:, None] + 2 * i + 1 < T)
     )
     cand = i[None, :] < n[:, None]  # [B, K]
     trace_ok = (entry_ok | ~cand).all(-1)  # [B]
     level = torch.where(cand, is_level.long().argmax(-1), -1)  # [B, K]; -1: not a candidate of the row
     slot_level = level.sort(-1, descending=True).values  # [B, K]: the level the answer's k-th label must have
-    slot_col = 2 * n[:, None] + rule.head + 2 * i[None, :]  # [B, K]
+    slot_col = trace_end[:, None] + rule.head + 2 * i[None, :]  # [B, K]
     rows, slots = (trace_ok[:, None] & cand & (slot_col < T)).nonzero(as_tuple=True)
     cols = slot_col[rows, slots]
     active[rows, cols] = True
     allowed[rows, cols] = level[rows] == slot_level[rows, slots, None]
-    past_trace = torch.arange(T, device=dev)[None, :] >= 2 * n[:, None]  # [B, T]
+    past_trace = torch.arange(T, device=dev)[None, :] >= trace_end[:, None]  # [B, T]
     trace_known = (known | past_trace).all(-1)  # [B]
     wait = torch.zeros_like(active)
     w_rows, w_slots = (~trace_known[:, None] & cand & (slot_col < T)).nonzero(as_tuple=True)
@@ -256,12 +265,26 @@ def one_of_each(
     return commit & ~(same & beats).any(-1)
 
 
-def block_slots(follow: TraceRule, n: torch.Tensor, resp: torch.Tensor, committed: torch.Tensor) -> Slots:
+def block_slots(
+    follow: TraceRule,
+    n: torch.Tensor,
+    resp: torch.Tensor,
+    committed: torch.Tensor,
+    offset: torch.Tensor | None = None,
+) -> Slots:
     """`answer_slots` for the open block, the last committed.shape[1] columns of resp [B, end]: the positions
     before the block are decoded, the block's are as far as `committed` says."""
     cl = committed.shape[1]
     known = torch.cat([torch.ones_like(resp[:, : resp.shape[1] - cl], dtype=torch.bool), committed], dim=1)
-    return answer_slots(follow, resp, known, n).cols(-cl)
+    return answer_slots(follow, resp, known, n, offset).cols(-cl)
+
+
+def shift_cols(x: torch.Tensor, offset: torch.Tensor, fill: int) -> torch.Tensor:
+    """x [B, W] with row b moved offset[b] columns right (width W + max offset), `fill` before it."""
+    W = x.shape[1]
+    cols = torch.arange(W + int(offset.max()), device=x.device)[None, :] - offset[:, None]
+    out = x.gather(1, cols.clamp(0, W - 1))
+    return out.masked_fill((cols < 0) | (cols >= W), fill)
 
 
 @dataclass
@@ -281,24 +304,80 @@ class Rules:
     layout: Layout | None = None
     kind: torch.Tensor | None = None  # [B, W]: `Layout.kinds` of the response's first W positions (past: any)
     table: torch.Tensor | None = None  # `Layout.table` for the logits' vocabulary (read at the first bans)
+    # [B]: the column where each row's response starts (gr2/continuous.py: a row that joined a running decode;
+    # `kind` is shifted by it). None: 0 for every row. spec (`causal_logits`, `recount`) reads none.
+    offset: torch.Tensor | None = None
 
     @classmethod
-    def start(cls, rules: DecodeRules, prompt_ids: torch.Tensor) -> Rules | None:
-        """The state of `rules` for prompts [B, P] (None without `unique`)."""
+    def start(
+        cls, rules: DecodeRules, prompt_ids: torch.Tensor, offset: torch.Tensor | None = None
+    ) -> Rules | None:
+        """The state of `rules` for prompts [B, P] (None without `unique`) whose responses start at columns
+        `offset` [B] (None: 0)."""
         unique, follow, layout = rules.unique, rules.follow, rules.layout
         if unique is None:
             return None
         seen = torch.zeros(len(prompt_ids), len(unique), dtype=torch.bool, device=prompt_ids.device)
-        state = cls(unique, seen)
+        state = cls(unique, seen, offset=offset)
         if layout is not None:  # every ruled position lies before 4K + H + tail (K labels)
             n = layout.n_candidates(prompt_ids)
             width = 4 * len(layout.labels) + len(layout.head) + len(layout.tail)
             state.layout, state.kind, state.n = layout, layout.kinds(n, width), n
+            if offset is not None:
+                state.kind = shift_cols(state.kind, offset, 0)
         if follow is not None:
-            n = follow.n_candidates(prompt_ids)
-            state.follow, state.n = follow, n
-            state.first_end, state.trace_end = 2 * int(n.min()), 2 * int(n.max())
+            state.follow, state.n = follow, follow.n_candidates(prompt_ids)
+        state.ends()
         return state
+
+    def ends(self) -> None:
+        """`first_end` and `trace_end` from n and the offsets."""
+        if self.follow is None or self.n is None:
+            return
+        end = 2 * self.n if self.offset is None else self.offset + 2 * self.n
+        self.first_end, self.trace_end = int(end.min()), int(end.max())
+        self.after = None
+
+    # What gr2/continuous.py does to a running decode's rows: keep some, add others, move the response start.
+    def select(self, index: torch.Tensor) -> Rules:
+        """The state of rows `index` only."""
+        out = replace(self, seen=self.seen[index])
+        for f in ("n", "kind", "offset"):
+            if getattr(self, f) is not None:
+                setattr(out, f, getattr(self, f)[index])
+        out.ends()
+        return out
+
+    def concat(self, other: Rules) -> Rules:
+        """These rows, then `other`'s (the same rules; offsets set on both)."""
+        out = replace(self, seen=torch.cat([self.seen, other.seen]))
+        if self.n is not None and other.n is not None:
+            out.n = torch.cat([self.n, other.n])
+        if self.offset is not None or other.offset is not None:
+            out.offset = torch.cat([self.offsets(), other.offsets()])
+        if self.kind is not None and other.kind is not None:
+            w = max(self.kind.shape[1], other.kind.shape[1])
+            out.kind = torch.cat(
+                [
+                    F.pad(self.kind, (0, w - self.kind.shape[1])),
+                    F.pad(other.kind, (0, w - other.kind.shape[1])),
+                ]
+            )
+        out.ends()
+        return out
+
+    def offsets(self) -> torch.Tensor:
+        """[B]: `offset`, 0 for every row when it is None."""
+        return torch.zeros_like(self.seen[:, 0], dtype=torch.long) if self.offset is None else self.offset
+
+    def shift(self, m: int) -> Rules:
+        """The response start moved m columns right: column m is column 0 now."""
+        out = replace(self)
+        out.offset = self.offsets() - m
+        if self.kind is not None:
+            out.kind = self.kind[:, m:]
+        out.ends()
+        return out
 
     def layout_bans(self, start: int, width: int, vocab: int) -> torch.Tensor | None:
         """[B, width, vocab] (True = banned): what the layout rules out at response positions start..start+width,
@@ -332,7 +411,8 @@ class Rules:
         """The slots of response [B, T] once every trace is decoded (read once: they do not change)."""
         assert self.follow is not None and self.n is not None
         if self.after is None:
-            self.after = answer_slots(self.follow, resp, torch.ones_like(resp, dtype=torch.bool), self.n)
+            known = torch.ones_like(resp, dtype=torch.bool)
+            self.after = answer_slots(self.follow, resp, known, self.n, self.offset)
         return self.after
 
     def open_slots(self, resp: torch.Tensor, committed: torch.Tensor, s0: int) -> tuple[Slots | None, bool]:
@@ -345,7 +425,7 @@ class Rules:
         if s0 >= self.trace_end:
             return self.slots_after(resp).cols(s0, end), False
         if self.first_end < end:
-            return block_slots(self.follow, self.n, resp[:, :end], committed), True
+            return block_slots(self.follow, self.n, resp[:, :end], committed, self.offset), True
         return None, False
 
     def round_slots(self, resp: torch.Tensor, committed: torch.Tensor, s0: int) -> tuple[Slots | None, bool]:
@@ -353,8 +433,9 @@ class Rules:
         every trace position of the block is decoded."""
         assert self.follow is not None and self.n is not None
         end = s0 + committed.shape[1]
-        slots = block_slots(self.follow, self.n, resp[:, :end], committed)
-        in_trace = torch.arange(s0, end, device=resp.device)[None, :] < 2 * self.n[:, None]
+        slots = block_slots(self.follow, self.n, resp[:, :end], committed, self.offset)
+        trace_end = 2 * self.n if self.offset is None else self.offset + 2 * self.n
+        in_trace = torch.arange(s0, end, device=resp.device)[None, :] < trace_end[:, None]
         return slots, not bool((committed | ~in_trace).all())
 
     def ar_logits(self, logits: torch.Tensor, resp: torch.Tensor, t: int) -> torch.Tensor:
@@ -367,7 +448,8 @@ class Rules:
             return logits
         if t < self.trace_end:
             now = resp[:, : t + 1]
-            slots = answer_slots(self.follow, now, torch.ones_like(now, dtype=torch.bool), self.n).cols(-1)
+            known = torch.ones_like(now, dtype=torch.bool)
+            slots = answer_slots(self.follow, now, known, self.n, self.offset).cols(-1)
         else:
             slots = self.slots_after(resp).cols(t, t + 1)
         return keep_slots(logits[:, None], slots, self.seen[:, None], self.unique)[:, 0]

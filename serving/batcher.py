@@ -1,4 +1,15 @@
-"""An asyncio micro-batcher: concurrent requests are decoded together, off the event loop.
+"""The batchers: concurrent requests are decoded together, off the event loop. Both answer `submit(request,
+decoder, tau) -> Timed`.
+
+`ContinuousBatcher` (the default for a generative model: ServeConfig.batching): continuous batching. A worker
+thread runs one running decode per (decoder, tau) (gr2/continuous.py `Stream`). A request joins its decode at the
+next block boundary (diffusion) or the next token (AR) and is answered as soon as its own row has finished, so it
+waits neither for a batch to fill, nor for the batch before it, nor for its slowest batch mate; its latency counts
+from its own arrival. Requests that do not stream (spec, and cold-start users, whom no decoder ranks) share one
+`rank()` call per worker turn. When a decode step fails, each of its requests runs
+alone through `rank()`, so a request that fails fails only itself.
+
+`MicroBatcher` (models without streams, such as the floor, and ServeConfig.batching "micro"), below:
 
 The first queued item opens a batch; the batch closes when it holds `max_batch` items or `max_wait_ms` has
 passed (requests that queued while the previous batch ran join at once, so max_wait_ms=0 is pure greedy
@@ -13,11 +24,15 @@ fails only itself.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from gr2.inference import RankRequest, RankResult
 from serving import metrics
@@ -38,9 +53,13 @@ class _Item:
 @dataclass(frozen=True)
 class Timed:
     result: RankResult
-    queue_ms: float  # waiting for the batch to close and for the previous batch to finish
-    model_ms: float  # the batch's rank() call
-    batch_size: int
+    queue_ms: (
+        float  # waiting for the batch to close and for the previous batch to finish (continuous: to join)
+    )
+    model_ms: float  # the batch's rank() call (continuous: from joining the decode until the row finished)
+    batch_size: (
+        int  # the requests decoded together (continuous: the rows of the step the request finished in)
+    )
 
 
 class MicroBatcher:
@@ -124,3 +143,170 @@ class MicroBatcher:
         for it, res in zip(items, results, strict=True):
             if not it.future.done():
                 it.future.set_result(Timed(res, (t0 - it.t_enqueue) * 1000, (t1 - t0) * 1000, len(items)))
+
+
+# ---------------------------------------------------------------------------------------------- continuous
+class StreamingReranker(Protocol):
+    """What `ContinuousBatcher` needs of a model (gr2/generative.py `GenerativeReranker`)."""
+
+    def rank(
+        self, requests: list[RankRequest], decoder: str = ..., tau: float | None = ...
+    ) -> list[RankResult]: ...
+
+    def stream(self, decoder: str, tau: float | None, max_rows: int) -> Any: ...
+
+    def prompt(self, request: RankRequest) -> list[int] | None: ...
+
+    def stream_result(self, request: RankRequest, tokens: list[int], nfe: float) -> RankResult: ...
+
+
+STREAMED = ("ar", "diffusion")  # gr2/continuous.py STREAM_DECODERS (not imported: it pulls in torch)
+
+
+@dataclass
+class _Row:
+    request: RankRequest
+    decoder: str
+    tau: float
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    t_enqueue: float = field(default_factory=time.perf_counter)
+    t_join: float | None = None  # when its decode step began (None: still queued)
+
+
+class ContinuousBatcher:
+    """Continuous batching (module docstring) over `reranker`, at most `max_rows` rows per running decode."""
+
+    def __init__(self, reranker: StreamingReranker, max_rows: int = 16):
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self.reranker, self.max_rows = reranker, max_rows
+        self.inbox: queue.SimpleQueue[_Row] = queue.SimpleQueue()
+        self.streams: dict[tuple[str, float | None], Any] = {}  # (decoder, tau; AR: None) -> its Stream
+        self.rows: dict[int, _Row] = {}  # a stream row's key -> its request
+        self.ids = itertools.count()
+        self.largest_batch = 0
+        self.worker = threading.Thread(target=self._run, name="rank-stream", daemon=True)
+        self.worker.start()
+
+    async def submit(self, request: RankRequest, decoder: str, tau: float) -> Timed:
+        loop = asyncio.get_running_loop()
+        row = _Row(request, decoder, tau, loop.create_future(), loop)
+        self.inbox.put(row)
+        return await row.future
+
+    def alive(self) -> bool:
+        return self.worker.is_alive()
+
+    # ------------------------------------------------------------------ the worker thread
+    def _run(self) -> None:
+        while True:
+            try:
+                self._turn()
+            except Exception:  # never let the worker die: every request in hand was answered or failed
+                log.exception("continuous batcher turn failed")
+
+    def _turn(self) -> None:
+        busy = any(len(s) for s in self.streams.values())
+        new = [self.inbox.get()] if not busy else []  # idle: sleep until a request comes
+        while True:
+            try:
+                new.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        together = [row for row in new if row.decoder not in STREAMED or not self._join(row)]
+        if together:
+            self._rank_together(together)
+        for key, stream in list(self.streams.items()):
+            if len(stream):
+                self._step(key, stream)
+
+    def _join(self, row: _Row) -> bool:
+        """The request's prompt into its stream; False for a request that needs no decoding (cold start)."""
+        try:
+            prompt = self.reranker.prompt(row.request)
+            if prompt is None:
+                return False
+            key = (row.decoder, None if row.decoder == "ar" else row.tau)
+            if key not in self.streams:
+                self.streams[key] = self.reranker.stream(row.decoder, key[1], self.max_rows)
+            rid = next(self.ids)
+            self.streams[key].add(rid, prompt)
+            self.rows[rid] = row
+        except Exception as e:  # this request's own failure (its ids, its options)
+            self._fail(row, e)
+        return True
+
+    def _step(self, key: tuple[str, float | None], stream: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            finished = stream.step()
+        except Exception:
+            log.exception("a %s decode step failed for %d requests: each runs alone", key[0], len(stream))
+            rows = [self.rows.pop(k) for k in [*stream.keys, *(k for k, _ in stream.queue)]]
+            del self.streams[key]  # its state is not trusted any more; the next request starts a new one
+            for row in rows:
+                row.t_join = row.t_join or t0
+                self._rank_alone(row)
+            return
+        joined = [self.rows[k] for k in stream.keys if self.rows[k].t_join is None]
+        joined += [self.rows[f.key] for f in finished if self.rows[f.key].t_join is None]
+        for row in joined:
+            row.t_join = t0
+        if joined:
+            metrics.observe_batch(key[0], [t0 - row.t_enqueue for row in joined])
+        batch = stream.running + len(finished)
+        self.largest_batch = max(self.largest_batch, batch)
+        for f in finished:
+            row = self.rows.pop(f.key)
+            try:
+                self._answer(row, self.reranker.stream_result(row.request, f.tokens, f.nfe), batch)
+            except Exception as e:
+                self._fail(row, e)
+
+    def _rank_together(self, rows: list[_Row]) -> None:
+        """Requests that do not stream (spec, cold start): one rank() call per (decoder, tau), else each alone."""
+        groups: dict[tuple[str, float], list[_Row]] = {}
+        for row in rows:
+            groups.setdefault((row.decoder, row.tau), []).append(row)
+        for (decoder, tau), group in groups.items():
+            t0 = time.perf_counter()
+            for row in group:
+                row.t_join = t0
+            metrics.observe_batch(decoder, [t0 - row.t_enqueue for row in group])
+            try:
+                results = self.reranker.rank([row.request for row in group], decoder, tau)
+            except Exception:
+                log.exception("rank() failed for a batch of %d: each request runs alone", len(group))
+                for row in group:
+                    self._rank_alone(row)
+                continue
+            self.largest_batch = max(self.largest_batch, len(group))
+            for row, result in zip(group, results, strict=True):
+                self._answer(row, result, len(group))
+
+    def _rank_alone(self, row: _Row) -> None:
+        try:
+            self._answer(row, self.reranker.rank([row.request], row.decoder, row.tau)[0], 1)
+        except Exception as e:
+            self._fail(row, e)
+
+    def _answer(self, row: _Row, result: RankResult, batch: int) -> None:
+        t1 = time.perf_counter()
+        t_join = row.t_join if row.t_join is not None else t1
+        timed = Timed(result, (t_join - row.t_enqueue) * 1000, (t1 - t_join) * 1000, batch)
+        self._settle(row, lambda f: f.set_result(timed))
+
+    def _fail(self, row: _Row, error: Exception) -> None:
+        self._settle(row, lambda f: f.set_exception(error))
+
+    @staticmethod
+    def _settle(row: _Row, how: Callable[[asyncio.Future], None]) -> None:
+        def settle() -> None:
+            if not row.future.done():  # (a client that went away cancelled it)
+                how(row.future)
+
+        try:
+            row.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the request's event loop has closed: nobody waits for the answer
+            pass

@@ -27,7 +27,7 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from gr2.inference import DECODERS, Reranker, load_reranker
 from serving import metrics
-from serving.batcher import MicroBatcher
+from serving.batcher import ContinuousBatcher, MicroBatcher
 from serving.schema import (
     BadRequest,
     Request,
@@ -85,7 +85,7 @@ class RerankPredictor(kserve.Model):
         self.model_uri = model_uri
         self.reranker = reranker
         self.cfg = cfg or ServeConfig()
-        self.batcher: MicroBatcher | None = None
+        self.batcher: ContinuousBatcher | MicroBatcher | None = None
         if reranker is not None:
             self.load()
 
@@ -99,13 +99,18 @@ class RerankPredictor(kserve.Model):
         spec_tau = getattr(self.reranker, "spec_tau", None)
         if spec_tau is not None:  # and its spec draft threshold the default tau of spec requests
             self.cfg = dataclasses.replace(self.cfg, default_spec_tau=float(spec_tau))
-        self.batcher = MicroBatcher(self.reranker.rank, self.cfg.max_batch, self.cfg.max_wait_ms)
+        if self.cfg.batching == "continuous" and hasattr(self.reranker, "stream"):
+            self.batcher = ContinuousBatcher(self.reranker, self.cfg.max_batch)
+        else:
+            self.batcher = MicroBatcher(self.reranker.rank, self.cfg.max_batch, self.cfg.max_wait_ms)
         self.ready = True
         return self.ready
 
     async def healthy(self) -> bool:
         # ready = a model is loaded and its batcher runs (kserve's default only reads the flag)
-        return self.ready and self.reranker is not None and self.batcher is not None
+        batcher = self.batcher
+        alive = isinstance(batcher, MicroBatcher) or (batcher is not None and batcher.alive())
+        return self.ready and self.reranker is not None and alive
 
     async def rank_instances(self, request: Request) -> list[dict[str, Any]]:
         """Validate every instance for the model first (all-or-nothing), then decode them concurrently via the

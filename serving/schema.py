@@ -52,9 +52,15 @@ class UpstreamError(RuntimeError):
         self.status = status
 
 
+BATCHING = ("continuous", "micro")
+
+
 @dataclass(frozen=True)
 class ServeConfig:
-    max_batch: int = 16  # micro-batch size cap (requests decoded together)
+    max_batch: int = 16  # the requests decoded together (continuous batching: the rows of a running decode)
+    # "continuous": requests join running decodes and leave as they finish; "micro": one rank() call per batch
+    # (serving/batcher.py). A model without streams (the floor) is micro-batched either way.
+    batching: str = "continuous"
     # How long the batcher waits to fill a batch after the first request. 0 = greedy: an idle server decodes a
     # request at once, and requests that arrive while a batch decodes form the next batch (serving/batcher.py).
     max_wait_ms: float = 0.0
@@ -85,6 +91,10 @@ class ServeConfig:
     default_spec_tau: float = DiffusionConfig.spec_tau  # spec's draft tau; likewise the bundle's spec_tau
     min_tau: float = 0.05  # tau bounds: below this the diffusion decoder degenerates to one token per step
     max_tau: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.batching not in BATCHING:
+            raise ValueError(f"batching must be one of {list(BATCHING)}, got {self.batching!r}")
 
     def forwarded_body_bytes(self) -> int:
         """The predictor's body limit: a client's max_body_bytes plus the histories the transformer adds from

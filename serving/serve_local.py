@@ -28,7 +28,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from serving.schema import ServeConfig
+from serving.schema import BATCHING, ServeConfig
 
 log = logging.getLogger("serve_local")
 
@@ -165,6 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--unknown_items", choices=["reject", "pass"], default="reject")
     p.add_argument("--max_batch", type=int, default=ServeConfig.max_batch)
     p.add_argument("--max_wait_ms", type=float, default=ServeConfig.max_wait_ms)
+    p.add_argument("--batching", choices=BATCHING, default=ServeConfig.batching)
     p.add_argument("--max_body_bytes", type=int, default=ServeConfig.max_body_bytes)
     p.add_argument(
         "--body_timeout_s",
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = ServeConfig(
         max_batch=a.max_batch,
         max_wait_ms=a.max_wait_ms,
+        batching=a.batching,
         max_body_bytes=a.max_body_bytes,
         body_timeout_s=a.body_timeout_s,
         max_candidates=a.max_candidates or model_candidates(a.model_uri) or ServeConfig.max_candidates,
@@ -277,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
         str(a.max_batch),
         "--max_wait_ms",
         str(a.max_wait_ms),
+        "--batching",
+        a.batching,
         "--max_body_bytes",
         str(a.max_body_bytes),
         "--body_timeout_s",

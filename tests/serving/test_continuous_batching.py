@@ -1,0 +1,155 @@
+"""Continuous batching in the predictor (serving/batcher.py `ContinuousBatcher`), with the real trained toy bundle:
+each request gets the ranking it gets alone whenever it arrives and whoever it decodes with; a request that arrives
+during a decode joins it; a short list leaves before its long batch mates; a failing decode step or request fails
+no other request."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+
+from gr2.inference import RankRequest, load_reranker
+from serving.batcher import ContinuousBatcher
+
+
+@pytest.fixture(scope="module")
+def reranker(model_dir):
+    return load_reranker(model_dir)
+
+
+def requests_of(ml_slice, n_requests: int, seed: int) -> list[tuple[RankRequest, str, float]]:
+    """Lists of every length 2..N, users with history and without (cold start), AR, diffusion at two taus, spec."""
+    rng = random.Random(seed)
+    items = list(ml_slice["items"]["item_id"])
+    users = list(ml_slice["history"])
+    out = []
+    for k in range(n_requests):
+        n = rng.randint(2, 10)
+        history = ml_slice["history"][users[k % len(users)]] if k % 5 else []
+        req = RankRequest(users[k % len(users)], rng.sample(items, n), history)
+        decoder, tau = rng.choice([("ar", 1.0), ("diffusion", 0.4), ("diffusion", 0.9), ("spec", 0.4)])
+        out.append((req, decoder, tau))
+    return out
+
+
+def alone(reranker, req: RankRequest, decoder: str, tau: float):
+    return reranker.rank([req], decoder, tau)[0]
+
+
+def same(a, b) -> bool:
+    return (a.ranking, a.valid, a.trace, a.n_tokens, a.ranker) == (
+        b.ranking,
+        b.valid,
+        b.trace,
+        b.n_tokens,
+        b.ranker,
+    )
+
+
+def test_every_request_gets_its_ranking_alone_whenever_it_arrives(reranker, ml_slice):
+    sent = requests_of(ml_slice, 36, seed=0)
+    rng = random.Random(1)
+
+    async def main():
+        b = ContinuousBatcher(reranker, max_rows=5)  # few rows: requests also queue for a row
+
+        async def client(k: int):
+            await asyncio.sleep(rng.random() * 0.5)  # arrivals spread over running decodes
+            req, decoder, tau = sent[k]
+            return await b.submit(req, decoder, tau)
+
+        return await asyncio.gather(*(client(k) for k in range(len(sent)))), b
+
+    out, b = asyncio.run(main())
+    assert b.largest_batch > 1  # requests did decode together
+    for (req, decoder, tau), timed in zip(sent, out, strict=True):
+        assert same(timed.result, alone(reranker, req, decoder, tau)), (req, decoder, tau)
+        assert sorted(timed.result.ranking) == sorted(req.candidates)
+
+
+def test_a_request_that_arrives_during_a_decode_joins_it_and_a_short_list_leaves_first(reranker, ml_slice):
+    items = list(ml_slice["items"]["item_id"])
+    history = ml_slice["history"][list(ml_slice["history"])[0]]
+    longs = [RankRequest(str(k), items[10 * k : 10 * k + 10], history) for k in range(3)]
+    short = RankRequest("short", items[40:42], history)
+    running: list[int] = []
+    stepped, go = threading.Event(), threading.Event()
+    make = reranker.stream
+
+    def stream(decoder, tau, max_rows):  # the real stream, watched: rows per step
+        s = make(decoder, tau, max_rows)
+        step = s.step
+
+        def watched():
+            done = step()
+            running.append(s.running + len(done))
+            if not stepped.is_set():  # after the first step, hold the decode until the late request is in
+                stepped.set()
+                go.wait(30)
+            return done
+
+        s.step = watched
+        return s
+
+    async def main():
+        b = ContinuousBatcher(reranker, max_rows=8)
+        b.reranker = type("Watched", (), {})()  # the reranker with its stream watched
+        for name in ("rank", "prompt", "stream_result"):
+            setattr(b.reranker, name, getattr(reranker, name))
+        b.reranker.stream = stream
+        order: list[str] = []
+
+        async def submit(req):
+            await b.submit(req, "diffusion", 0.9)
+            order.append(req.user_id)
+
+        early = [asyncio.create_task(submit(r)) for r in longs]
+        await asyncio.get_running_loop().run_in_executor(None, stepped.wait, 30)  # the decode runs
+        late = asyncio.create_task(submit(short))
+        await asyncio.sleep(0.05)  # the task has queued its request
+        go.set()
+        await asyncio.gather(*early, late)
+        return order
+
+    order = asyncio.run(main())
+    assert max(running) == 4  # the late request decoded together with the three running ones
+    assert order[0] == "short"  # 2 candidates: it left while the 10-candidate lists still decoded
+
+
+def test_a_failing_decode_step_or_request_fails_no_other(reranker, ml_slice):
+    sent = requests_of(ml_slice, 8, seed=2)
+    sent = [(r, "diffusion", 0.4) for r, _, _ in sent]
+    poison = RankRequest("poison", ["no-such-item", "nor-this"], sent[1][0].history)  # (a warm user)
+    make, failed = reranker.stream, []
+
+    def stream(decoder, tau, max_rows):  # the first stream's second step raises
+        s = make(decoder, tau, max_rows)
+        step, calls = s.step, []
+
+        def flaky():
+            calls.append(1)
+            if len(calls) == 2 and not failed:
+                failed.append(1)
+                raise RuntimeError("a decode step failed")
+            return step()
+
+        s.step = flaky
+        return s
+
+    async def main():
+        b = ContinuousBatcher(reranker, max_rows=16)
+        b.reranker = type("Flaky", (), {})()
+        for name in ("rank", "prompt", "stream_result"):
+            setattr(b.reranker, name, getattr(reranker, name))
+        b.reranker.stream = stream
+        jobs = [b.submit(*s) for s in sent] + [b.submit(poison, "diffusion", 0.4)]
+        return await asyncio.gather(*jobs, return_exceptions=True), b
+
+    out, b = asyncio.run(main())
+    assert failed and isinstance(out[-1], KeyError) and "unknown candidate" in str(out[-1])
+    for (req, decoder, tau), timed in zip(sent, out[:-1], strict=True):
+        assert same(timed.result, alone(reranker, req, decoder, tau))
+    assert b.alive()

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from gr2.inference import RankRequest, RankResult
 from serving import metrics
@@ -146,6 +146,7 @@ class MicroBatcher:
 
 
 # ---------------------------------------------------------------------------------------------- continuous
+@runtime_checkable
 class StreamingReranker(Protocol):
     """What `ContinuousBatcher` needs of a model (gr2/generative.py `GenerativeReranker`)."""
 

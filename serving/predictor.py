@@ -27,7 +27,7 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from gr2.inference import DECODERS, Reranker, load_reranker
 from serving import metrics
-from serving.batcher import ContinuousBatcher, MicroBatcher
+from serving.batcher import ContinuousBatcher, MicroBatcher, StreamingReranker
 from serving.schema import (
     BadRequest,
     Request,
@@ -99,7 +99,7 @@ class RerankPredictor(kserve.Model):
         spec_tau = getattr(self.reranker, "spec_tau", None)
         if spec_tau is not None:  # and its spec draft threshold the default tau of spec requests
             self.cfg = dataclasses.replace(self.cfg, default_spec_tau=float(spec_tau))
-        if self.cfg.batching == "continuous" and hasattr(self.reranker, "stream"):
+        if self.cfg.batching == "continuous" and isinstance(self.reranker, StreamingReranker):
             self.batcher = ContinuousBatcher(self.reranker, self.cfg.max_batch)
         else:
             self.batcher = MicroBatcher(self.reranker.rank, self.cfg.max_batch, self.cfg.max_wait_ms)

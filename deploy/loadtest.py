@@ -32,7 +32,7 @@ import httpx
 from gr2.config import DiffusionConfig
 from gr2.inference import CONFIG_FILE, VERIFIER_DIR
 from gr2.report import git_sha
-from serving.schema import ServeConfig
+from serving.schema import BATCHING, ServeConfig
 from serving.serve_local import running, wait_ready
 
 
@@ -181,7 +181,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         "",
         f"`{report['command']}`  ",
         f"machine: {report['machine']}; git {report['git_sha']}; load average (1, 5, 15 min) before "
-        f"{fmt_load(report['load_average']['before'])}, after {fmt_load(report['load_average']['after'])}",
+        f"{fmt_load(report['load_average']['before'])}, after {fmt_load(report['load_average']['after'])}; "
+        f"batching: {report.get('batching', 'micro')}, max_batch {report.get('max_batch')}",
         "",
         "| decoder | tau | concurrency | p50 ms | p95 ms | p99 ms | req/s | errors | server: queue p50 ms | model p50 ms |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -213,7 +214,7 @@ def _server(a: argparse.Namespace, model_uri: str | None) -> Iterator[str]:
         yield a.url
         return
     args = ["--role", "predictor", "--model_uri", model_uri, "--model_name", a.model_name]
-    args += ["--max_batch", str(a.max_batch), "--max_wait_ms", str(a.max_wait_ms)]
+    args += ["--max_batch", str(a.max_batch), "--max_wait_ms", str(a.max_wait_ms), "--batching", a.batching]
     with running(args, a.model_name) as url:
         yield url
 
@@ -246,6 +247,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--n_candidates", type=int, default=10)
     ap.add_argument("--max_batch", type=int, default=16)
     ap.add_argument("--max_wait_ms", type=float, default=ServeConfig.max_wait_ms)
+    ap.add_argument(
+        "--batching",
+        choices=BATCHING,
+        default=ServeConfig.batching,
+        help="the server's batcher, the same for every decoder (serving/batcher.py)",
+    )
     ap.add_argument("--out", default="benchmarks/serving")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -292,6 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, python {platform.python_version()}",
         "git_sha": git_sha(short=True),
         "load_average": {"before": load_before, "after": os.getloadavg()},  # 1, 5, 15 min
+        "batching": a.batching,
+        "max_batch": a.max_batch,
         "rows": rows,
         "diffusion_vs_ar": compare(rows, "diffusion"),
         "spec_vs_ar": compare(rows, "spec"),

@@ -156,7 +156,7 @@ class StreamingReranker(Protocol):
 
     def stream(self, decoder: str, tau: float | None, max_rows: int) -> Any: ...
 
-    def prompt(self, request: RankRequest) -> list[int] | None: ...
+    def prompts(self, requests: list[RankRequest]) -> list[list[int] | None]: ...
 
     def stream_result(self, request: RankRequest, tokens: list[int], nfe: float) -> RankResult: ...
 
@@ -215,17 +215,40 @@ class ContinuousBatcher:
                 new.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
-        together = [row for row in new if row.decoder not in STREAMED or not self._join(row)]
+        streamed = [row for row in new if row.decoder in STREAMED]
+        together = [row for row in new if row.decoder not in STREAMED]
+        together += [
+            row
+            for row, prompt in zip(streamed, self._prompts(streamed), strict=True)
+            if not self._join(row, prompt)
+        ]
         if together:
             self._rank_together(together)
         for key, stream in list(self.streams.items()):
             if len(stream):
                 self._step(key, stream)
 
-    def _join(self, row: _Row) -> bool:
+    def _prompts(self, rows: list[_Row]) -> list[list[int] | None | Exception]:
+        """Each request's prompt (None: cold start), encoded together; if that fails, one at a time, so that one
+        request's bad ids are its own error."""
+        if not rows:
+            return []
+        try:
+            return list(self.reranker.prompts([row.request for row in rows]))
+        except Exception:
+            out: list[list[int] | None | Exception] = []
+            for row in rows:
+                try:
+                    out += self.reranker.prompts([row.request])
+                except Exception as e:
+                    out.append(e)
+            return out
+
+    def _join(self, row: _Row, prompt: list[int] | None | Exception) -> bool:
         """The request's prompt into its stream; False for a request that needs no decoding (cold start)."""
         try:
-            prompt = self.reranker.prompt(row.request)
+            if isinstance(prompt, Exception):
+                raise prompt
             if prompt is None:
                 return False
             key = (row.decoder, None if row.decoder == "ar" else row.tau)

@@ -54,7 +54,7 @@ def test_a_request_gets_its_tokens_alone_whenever_it_joins(trace_models, mode, r
     ar, diff = trace_models
     model, bs = (ar, 0) if mode == "ar" else (diff, BS)
     prompts = mixed_prompts(30, 5)
-    stream = Stream(model, StreamConfig(L, EOS, bs, 0.5, MASK, rules, max_rows=6))
+    stream = Stream(model, StreamConfig(L, EOS, bs, 0.5, MASK, rules, max_rows=6, join_wait=0))
     got, widest = run_stream(stream, prompts, seed=1)
     for k, p in enumerate(prompts):
         assert got[k].tokens == decode_alone(model, bs, rules, p), k
@@ -96,3 +96,25 @@ def test_stream_config_rejects_what_cannot_decode():
         StreamConfig(L, EOS, max_rows=0)
     with pytest.raises(ValueError, match="empty prompt"):
         Stream(torch.nn.Linear(1, 1), StreamConfig(L, EOS)).add(0, [])
+
+
+def test_a_prompt_joins_a_running_decode_unless_it_is_about_to_end(trace_models):
+    """join_wait: joining costs a prefill that every running row waits for, so a prompt queued when the decode has
+    at most join_wait steps (blocks) to go starts the next decode instead."""
+    _, diff = trace_models
+    ps = [p for p, _, _ in trace_items(4, 11)]
+    stream = Stream(diff, StreamConfig(L, EOS, BS, 0.5, MASK, join_wait=2))
+    stream.add("a", ps[0])
+    stream.step()
+    assert stream.steps_left() == (L - BS) // BS  # no layout: rows may run to max_new_tokens
+    stream.add("b", ps[1])
+    stream.step()
+    assert "b" in stream.keys  # 5 blocks to go: it joined
+    while stream.steps_left() > 2:
+        stream.step()
+    stream.add("c", ps[2])
+    stream.step()
+    assert "c" not in stream.keys and [k for k, _ in stream.queue] == ["c"]  # 2 to go: it waits
+    while "c" not in stream.keys:
+        stream.step()
+    assert stream.keys == ["c"] and stream.s0 == BS  # it began a decode of its own (its first block is done)

@@ -97,7 +97,7 @@ def test_a_request_that_arrives_during_a_decode_joins_it_and_a_short_list_leaves
     async def main():
         b = ContinuousBatcher(reranker, max_rows=8)
         b.reranker = type("Watched", (), {})()  # the reranker with its stream watched
-        for name in ("rank", "prompt", "stream_result"):
+        for name in ("rank", "prompts", "stream_result"):
             setattr(b.reranker, name, getattr(reranker, name))
         b.reranker.stream = stream
         order: list[str] = []
@@ -142,7 +142,7 @@ def test_a_failing_decode_step_or_request_fails_no_other(reranker, ml_slice):
     async def main():
         b = ContinuousBatcher(reranker, max_rows=16)
         b.reranker = type("Flaky", (), {})()
-        for name in ("rank", "prompt", "stream_result"):
+        for name in ("rank", "prompts", "stream_result"):
             setattr(b.reranker, name, getattr(reranker, name))
         b.reranker.stream = stream
         jobs = [b.submit(*s) for s in sent] + [b.submit(poison, "diffusion", 0.4)]

@@ -140,9 +140,12 @@ def summarize(decoder: str, tau: float, concurrency: int, s: Samples) -> dict[st
     }
 
 
-def compare(rows: list[dict[str, Any]], decoder: str = "diffusion") -> list[dict[str, Any]]:
-    """Per concurrency measured for `decoder` and AR: its p50 / AR p50 and its req/s / AR req/s."""
-    by = {(r["decoder"], r["concurrency"]): r for r in rows}
+def compare(
+    rows: list[dict[str, Any]], decoder: str = "diffusion", batching: str | None = None
+) -> list[dict[str, Any]]:
+    """Per concurrency measured for `decoder` and AR (behind the same batcher when `batching` is given): its
+    p50 / AR p50 and its req/s / AR req/s."""
+    by = {(r["decoder"], r["concurrency"]): r for r in rows if batching in (None, r.get("batching"))}
     out = []
     for (dec, c), d in sorted(by.items(), key=lambda kv: kv[0][1]):
         ar = by.get(("ar", c))
@@ -182,39 +185,42 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"`{report['command']}`  ",
         f"machine: {report['machine']}; git {report['git_sha']}; load average (1, 5, 15 min) before "
         f"{fmt_load(report['load_average']['before'])}, after {fmt_load(report['load_average']['after'])}; "
-        f"batching: {report.get('batching', 'micro')}, max_batch {report.get('max_batch')}",
+        f"max_batch {report.get('max_batch')}",
         "",
-        "| decoder | tau | concurrency | p50 ms | p95 ms | p99 ms | req/s | errors | server: queue p50 ms | model p50 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| batching | decoder | tau | concurrency | p50 ms | p95 ms | p99 ms | req/s | errors | server: queue p50 ms "
+        "| model p50 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
-            f"| {r['decoder']} | {r['tau']} | {r['concurrency']} | {r['p50_ms']} | {r['p95_ms']} | "
-            f"{r['p99_ms']} | {r['rps']} | {r['errors']} | {r.get('queue_p50_ms')} | {r.get('model_p50_ms')} |"
+            f"| {r.get('batching', 'micro')} | {r['decoder']} | {r['tau']} | {r['concurrency']} | {r['p50_ms']} | "
+            f"{r['p95_ms']} | {r['p99_ms']} | {r['rps']} | {r['errors']} | {r.get('queue_p50_ms')} | "
+            f"{r.get('model_p50_ms')} |"
         )
-    for decoder in ("diffusion", "spec"):
-        if report.get(f"{decoder}_vs_ar"):
-            lines += [
-                "",
-                f"| concurrency | {decoder} p50 / AR p50 | {decoder} req/s / AR req/s |",
-                "|---|---|---|",
-            ]
-            lines += [
-                f"| {c['concurrency']} | {c['p50_ratio']} | {c['rps_ratio']} |"
-                for c in report[f"{decoder}_vs_ar"]
-            ]
+    for batching, ratios in report.get("by_batching", {}).items():
+        for decoder in ("diffusion", "spec"):
+            if ratios.get(f"{decoder}_vs_ar"):
+                lines += [
+                    "",
+                    f"| {batching}: concurrency | {decoder} p50 / AR p50 | {decoder} req/s / AR req/s |",
+                    "|---|---|---|",
+                ]
+                lines += [
+                    f"| {c['concurrency']} | {c['p50_ratio']} | {c['rps_ratio']} |"
+                    for c in ratios[f"{decoder}_vs_ar"]
+                ]
     return "\n".join(lines) + "\n"
 
 
 @contextlib.contextmanager
-def _server(a: argparse.Namespace, model_uri: str | None) -> Iterator[str]:
+def _server(a: argparse.Namespace, model_uri: str | None, batching: str) -> Iterator[str]:
     """The URL of a ready server: --url as given, or the predictor started on a free loopback port."""
     if a.url is not None:
         wait_ready(f"{a.url}/v1/models/{a.model_name}", timeout_s=300)
         yield a.url
         return
     args = ["--role", "predictor", "--model_uri", model_uri, "--model_name", a.model_name]
-    args += ["--max_batch", str(a.max_batch), "--max_wait_ms", str(a.max_wait_ms), "--batching", a.batching]
+    args += ["--max_batch", str(a.max_batch), "--max_wait_ms", str(a.max_wait_ms), "--batching", batching]
     with running(args, a.model_name) as url:
         yield url
 
@@ -249,9 +255,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max_wait_ms", type=float, default=ServeConfig.max_wait_ms)
     ap.add_argument(
         "--batching",
+        nargs="+",
         choices=BATCHING,
-        default=ServeConfig.batching,
-        help="the server's batcher, the same for every decoder (serving/batcher.py)",
+        default=[ServeConfig.batching],
+        help="the servers' batcher, the same for every decoder (serving/batcher.py); several: side by side",
     )
     ap.add_argument("--out", default="benchmarks/serving")
     ap.add_argument("--seed", type=int, default=0)
@@ -269,9 +276,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # meant to beat. Same server code, same requests, same settings.
     with contextlib.ExitStack() as stack:
         served = {}
-        for decoder in a.decoders:
+        for batching, decoder in [(b, d) for b in a.batching for d in a.decoders]:
             uri = a.ar_model_uri if decoder == "ar" and a.ar_model_uri else a.model_uri
-            url = stack.enter_context(_server(a, uri))
+            url = stack.enter_context(_server(a, uri, batching))
             instances = load_instances(a.examples, uri, a.requests, a.n_candidates, a.seed)
             tau = (
                 bundle_tau(uri, "spec_tau", a.spec_tau)
@@ -279,21 +286,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 else bundle_tau(uri, "tau", a.tau)
             )
             asyncio.run(measure(url, a.model_name, instances, decoder, tau, 1, 3))  # warm-up, not recorded
-            served[decoder] = (uri, url, instances, tau)
+            served[batching, decoder] = (uri, url, instances, tau)
         for c in a.concurrency:
             samples = {d: Samples() for d in served}
             # turn t sends the same requests to every decoder, one decoder after another
             for t in range(a.turns):
                 lo, hi = t * a.requests // a.turns, (t + 1) * a.requests // a.turns
-                for decoder, (_, url, instances, tau) in served.items():
+                for key, (_, url, instances, tau) in served.items():
                     asyncio.run(
-                        measure(url, a.model_name, instances, decoder, tau, c, hi - lo, lo, samples[decoder])
+                        measure(url, a.model_name, instances, key[1], tau, c, hi - lo, lo, samples[key])
                     )
-            for decoder, (uri, _, _, tau) in served.items():
-                row = {**summarize(decoder, tau, c, samples[decoder]), "model_uri": uri}
+            for (batching, decoder), (uri, _, _, tau) in served.items():
+                row = {**summarize(decoder, tau, c, samples[batching, decoder]), "model_uri": uri}
+                row["batching"] = batching
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    rows.sort(key=lambda r: a.decoders.index(r["decoder"]))  # stable: per decoder, in concurrency order
+    # stable: per batcher and decoder, in concurrency order
+    rows.sort(key=lambda r: (a.batching.index(r["batching"]), a.decoders.index(r["decoder"])))
     report = {
         "command": "python -m deploy.loadtest " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, python {platform.python_version()}",
@@ -301,9 +310,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_average": {"before": load_before, "after": os.getloadavg()},  # 1, 5, 15 min
         "batching": a.batching,
         "max_batch": a.max_batch,
+        # the first batcher's ratios (the server's default when --batching is not given), then each batcher's
+        "by_batching": {
+            b: {"diffusion_vs_ar": compare(rows, "diffusion", b), "spec_vs_ar": compare(rows, "spec", b)}
+            for b in a.batching
+        },
         "rows": rows,
-        "diffusion_vs_ar": compare(rows, "diffusion"),
-        "spec_vs_ar": compare(rows, "spec"),
+        "diffusion_vs_ar": compare(rows, "diffusion", a.batching[0]),
+        "spec_vs_ar": compare(rows, "spec", a.batching[0]),
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

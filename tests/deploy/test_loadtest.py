@@ -65,15 +65,16 @@ def test_tiny_run_writes_report(predictor, model_dir, tmp_path):
             "model_uri",
             "queue_p50_ms",
             "model_p50_ms",
+            "batching",
         }
-        assert set(r) == keys
+        assert set(r) == keys and r["batching"] == "continuous"  # the server's default
         assert r["errors"] == 0 and r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"] and r["rps"] > 0
         assert r["n"] == 12  # every request of every turn is counted once
         # the server's own split: the model call is part of what the client waited for
         assert 0 < r["model_p50_ms"] < r["p99_ms"] and r["queue_p50_ms"] >= 0
     tau = bundle_tau(str(model_dir), "tau", None)  # the bundle's operating tau: no --tau given
     assert rows[0]["tau"] is None and rows[2]["tau"] == tau
-    assert f"| diffusion | {tau} | 4 |" in out.with_suffix(".md").read_text()
+    assert f"| continuous | diffusion | {tau} | 4 |" in out.with_suffix(".md").read_text()
     assert len(report["load_average"]["before"]) == 3
     ratios = report["diffusion_vs_ar"]
     assert [c["concurrency"] for c in ratios] == [1, 4]

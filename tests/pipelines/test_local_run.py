@@ -20,6 +20,7 @@ import pytest
 from analysis.compare_models import main as compare_models
 from analysis.pad_vs_group import main as pad_vs_group
 from analysis.rounds_check import main as rounds_check
+from analysis.stream_check import main as stream_check
 from gr2.data import data_root
 from gr2.data.variants import VARIANTS, build_variant
 from pipelines.run_local import run_local, run_profile
@@ -157,6 +158,11 @@ def test_local_run_writes_report(tmp_path):
     )
     pg = json.loads((tmp_path / "pg.json").read_text())["decoders"]
     assert {d: f["same_ranking"] for d, f in pg.items()} == {"diffusion": 1.0, "ar": 1.0}
+    # Continuous batching (analysis/stream_check.py): lists of every length fed in waves to one running decode get
+    # the tokens they get alone, for the student's diffusion and for AR.
+    for model in ("rl", "ar"):
+        st = stream_check(["--run", str(tmp_path / "smoke"), "--model", model, "--limit", "24"])
+        assert st["identical"] == st["lists"] > 0 and st["waves_joined"] > 0, st
     # Where the student's rounds go (analysis/rounds_check.py): on the speed rows' lists it counts the same
     # tokens per forward as the speed table.
     prof = run_profile(tmp_path / "smoke")

@@ -25,10 +25,9 @@ import sys
 from pathlib import Path
 
 import pandas as pd
-import torch
 
 from analysis.output import print_json
-from analysis.speed_check import find_bundles
+from analysis.speed_check import find_bundles, split_lists
 from components._lib.paths import repo_relative
 from components._lib.steps import LTR_DIR
 from gr2.evidence import Evidence
@@ -38,7 +37,6 @@ from gr2.report import git_sha
 from gr2.stages.evaluate import load, rankings
 from gr2.stages.prepare import list_features
 from gr2.teacher import Teacher
-from pipelines.run_local import run_examples, run_profile
 
 
 def top1_breakdown(
@@ -79,12 +77,7 @@ def feature_rankings(run: Path, name: str, df: pd.DataFrame) -> list[list[int]]:
 
 
 def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> dict:
-    profile = run_profile(run)
-    torch.set_num_threads(profile.eval.threads)
-    examples = run_examples(run)
-    df = examples[examples["split"] == split].reset_index(drop=True)
-    if df.empty:
-        raise SystemExit(f"no examples in split {split!r}")
+    profile, df = split_lists(run, split)
     names = [n for n in (a, b) if n not in FEATURE_RANKERS]
     models = {name: load(path) for name, path in find_bundles(run, names).items()}
     taus = {name: getattr(m, "tau", None) if tau is None else tau for name, m in models.items()}

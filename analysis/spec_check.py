@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 from analysis.output import print_json
-from analysis.speed_check import find_bundles
+from analysis.speed_check import find_bundles, split_lists
 from gr2.stages.evaluate import load
-from pipelines.run_local import run_examples, run_profile
 
 
 @torch.no_grad()
@@ -40,15 +39,8 @@ def check(
     run: Path, draft: str, split: str, tau: float | None = None, limit: int = 0, show: int = 10
 ) -> dict:
     report = json.loads((run / "report.json").read_text())
-    profile = run_profile(run)
-    torch.set_num_threads(profile.eval.threads)
+    profile, df = split_lists(run, split, limit)
     tau = profile.diffusion.spec_tau if tau is None else tau
-    examples = run_examples(run)
-    df = examples[examples["split"] == split].reset_index(drop=True)
-    if limit > 0:
-        df = df.head(limit)
-    if df.empty:
-        raise SystemExit(f"no examples in split {split!r}")
     bundles = find_bundles(run, ["ar", draft])
     ar = load(bundles["ar"])
     spec = load(bundles[draft]).with_verifier(ar.model, "spec")

@@ -21,8 +21,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import pandas as pd
 import torch
 
+from gr2.config import Profile
 from gr2.report import git_sha, machine_info, speed_markdown
 from gr2.stages.evaluate import load, speed_table
 from pipelines.run_local import run_examples, run_profile
@@ -38,6 +40,20 @@ def run_bundles(run: Path) -> dict[str, Path]:
         for cfg in sorted(run.glob(pattern)):
             found.setdefault(json.loads(cfg.read_text()).get("name"), cfg.parent)
     return found
+
+
+def split_lists(run: Path, split: str, limit: int = 0) -> tuple[Profile, pd.DataFrame]:
+    """A run's profile (its eval threads set for torch, as the run decoded) and the lists of one split (the first
+    `limit` only when > 0)."""
+    profile = run_profile(run)
+    torch.set_num_threads(profile.eval.threads)
+    examples = run_examples(run)
+    df = examples[examples["split"] == split].reset_index(drop=True)
+    if limit > 0:
+        df = df.head(limit)
+    if df.empty:
+        raise SystemExit(f"no examples in split {split!r}")
+    return profile, df
 
 
 def find_bundles(run: Path, names: list[str]) -> dict[str, Path]:

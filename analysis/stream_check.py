@@ -21,26 +21,16 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from analysis.output import print_json
-from analysis.speed_check import find_bundles
+from analysis.speed_check import find_bundles, split_lists
 from gr2.inference import RankRequest
 from gr2.stages.evaluate import load
-from pipelines.run_local import run_examples, run_profile
 
 
 def check(
     run: Path, model: str, split: str, tau: float | None = None, limit: int = 0, seed: int = 0, show: int = 10
 ) -> dict:
-    profile = run_profile(run)
-    torch.set_num_threads(profile.eval.threads)
-    examples = run_examples(run)
-    df = examples[examples["split"] == split].reset_index(drop=True)
-    if limit > 0:
-        df = df.head(limit)
-    if df.empty:
-        raise SystemExit(f"no examples in split {split!r}")
+    profile, df = split_lists(run, split, limit)
     reranker = load(find_bundles(run, [model])[model])
     decoder = "ar" if model == "ar" else "diffusion"
     tau = reranker.decode_tau(decoder, tau)
@@ -49,8 +39,8 @@ def check(
     for history, candidates in zip(df["history"], df["candidates"], strict=True):
         n = rng.randint(2, len(candidates)) if len(candidates) > 2 else len(candidates)
         requests.append(RankRequest("", list(candidates)[:n], list(history)))
-    prompts = reranker.prompts(requests)
-    keys = [k for k, p in enumerate(prompts) if p is not None]  # (cold-start users: no decoding)
+    prompts = {k: p for k, p in enumerate(reranker.prompts(requests)) if p is not None}  # (cold start: none)
+    keys = list(prompts)
     eos = reranker.tokenizer.eos_token_id
     alone = {k: reranker.decode([prompts[k]], decoder, tau).responses[0] for k in keys}
     stream = reranker.stream(decoder, tau, profile.eval.batch_size)

@@ -287,7 +287,7 @@ class Stream:
         old = self.d
         assert old is not None
         keep = slice(None) if rows is None else rows
-        d = Decoding(seq, pad_lens, P, old.eos_id, old.fill, old.rules, None, old.nfe, old.rnd)
+        d = Decoding(seq, pad_lens, P, old.eos_id, old.fill, rules=old.rules, nfe=old.nfe, rnd=old.rnd)
         d.done = old.done[keep].clone()
         self.d = d
 

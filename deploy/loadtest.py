@@ -185,7 +185,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"`{report['command']}`  ",
         f"machine: {report['machine']}; git {report['git_sha']}; load average (1, 5, 15 min) before "
         f"{fmt_load(report['load_average']['before'])}, after {fmt_load(report['load_average']['after'])}; "
-        f"max_batch {report.get('max_batch')}",
+        f"max_batch {report.get('max_batch')}, torch threads per server {report.get('torch_threads', 0) or 'default'}",
         "",
         "| batching | decoder | tau | concurrency | p50 ms | p95 ms | p99 ms | req/s | errors | server: queue p50 ms "
         "| model p50 ms |",
@@ -221,6 +221,7 @@ def _server(a: argparse.Namespace, model_uri: str | None, batching: str) -> Iter
         return
     args = ["--role", "predictor", "--model_uri", model_uri, "--model_name", a.model_name]
     args += ["--max_batch", str(a.max_batch), "--max_wait_ms", str(a.max_wait_ms), "--batching", batching]
+    args += ["--torch_threads", str(a.torch_threads)]
     with running(args, a.model_name) as url:
         yield url
 
@@ -259,6 +260,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=BATCHING,
         default=[ServeConfig.batching],
         help="the servers' batcher, the same for every decoder (serving/batcher.py); several: side by side",
+    )
+    ap.add_argument(
+        "--torch_threads",
+        type=int,
+        default=1,
+        help="each predictor's torch threads (serve_local; the base manifest's 1; 0: one per core)",
     )
     ap.add_argument("--out", default="benchmarks/serving")
     ap.add_argument("--seed", type=int, default=0)
@@ -310,6 +317,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_average": {"before": load_before, "after": os.getloadavg()},  # 1, 5, 15 min
         "batching": a.batching,
         "max_batch": a.max_batch,
+        "torch_threads": a.torch_threads,
         # the first batcher's ratios (the server's default when --batching is not given), then each batcher's
         "by_batching": {
             b: {"diffusion_vs_ar": compare(rows, "diffusion", b), "spec_vs_ar": compare(rows, "spec", b)}

@@ -116,7 +116,7 @@ def test_prod_has_gpu_pool_canary_scaling_and_redis(rendered):
         10,
     )
     assert c["args"][c["args"].index("--max_batch") + 1] == "64"  # the overlay's args replace the base's
-    assert {"name": "OMP_NUM_THREADS", "value": "2"} in c["env"]  # base env kept by the name-keyed merge
+    assert {"name": "OMP_NUM_THREADS", "value": "1"} in c["env"]  # base env kept by the name-keyed merge
     t = container(s, "transformer")
     assert "--feast_yaml" in t["args"] and {"REDIS_URL", "GR2_FEAST_BUCKET", "HOME"} <= {
         e["name"] for e in t["env"]

@@ -50,6 +50,25 @@ def force_uvicorn_config(**settings: Any) -> None:
     uvicorn.Config.__init__ = init  # type: ignore[method-assign]
 
 
+def drop_kserve_timing() -> None:
+    """Make kserve's REST server leave out timing_asgi's TimingMiddleware (its `_add_middlewares` adds it to every
+    app). Per request it calls getrusage twice and logs two kserve.trace lines, wall time and "cpu" time; the cpu
+    time is the whole process's, decoding threads included, so it says nothing of the request. Measured with
+    py-spy at 32 concurrent clients (docs/SERVING.md): half the event loop's time holding the GIL, which the
+    decoding thread then waits for. Each request's latency is in our own histograms (serving/metrics.py)."""
+    from kserve.protocol.rest.server import RESTServer
+    from timing_asgi import TimingMiddleware
+
+    add = getattr(RESTServer._add_middlewares, "kserve_original", RESTServer._add_middlewares)
+
+    def add_without_timing(self: Any, app: Any) -> None:
+        add(self, app)
+        app.user_middleware = [m for m in app.user_middleware if m.cls is not TimingMiddleware]
+
+    add_without_timing.kserve_original = add  # type: ignore[attr-defined]  # (patching twice keeps one layer)
+    RESTServer._add_middlewares = add_without_timing  # type: ignore[method-assign]
+
+
 def log_rejection(method: str, path: str, status: int, message: str) -> None:
     """The one line a rejected request leaves in the log: no traceback, client echoes cut short and escaped."""
     log.warning("%s %s -> %d %s", method, printable(cut(path, 120)), status, printable(cut(message, 300)))
@@ -122,8 +141,9 @@ class BoundedH11Protocol(H11Protocol):
 
 
 class PrintableLogs(logging.Filter):
-    """Escapes the client's text in every log line (`printable`): a URL path with %0A reaches kserve's timing
-    log decoded, and a field name or path could otherwise start a forged line."""
+    """Escapes the client's text in every log line (`printable`): a URL path with %0A reached kserve's timing
+    log decoded (`drop_kserve_timing` now leaves it out), and a field name or path could otherwise start a forged
+    line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str):
@@ -347,6 +367,7 @@ def start_model_server(
         h11_max_incomplete_event_size=cfg.max_header_bytes,
         timeout_keep_alive=cfg.idle_timeout_s,
     )
+    drop_kserve_timing()
     app = kserve.model_server.app
     app.add_middleware(
         RequestGuardMiddleware,

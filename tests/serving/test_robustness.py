@@ -184,6 +184,18 @@ def test_each_rejection_is_one_log_line_without_a_traceback(server, items):
         assert "Traceback" not in text, text[-2000:]
 
 
+def test_kserve_timing_middleware_is_left_out(server, items):
+    """serving/modelserver.py drop_kserve_timing: no per-request 'kserve.io.<path>' wall / cpu lines."""
+    marker = uuid.uuid4().hex
+    offset = len(server["log"].read_text(errors="replace"))
+    good = {"instances": [{"user_id": "1", "candidates": items[:3]}]}
+    assert httpx.post(server["url"] + V1, json=good, timeout=30).status_code == 200
+    unknown = f"{server['url']}/v1/models/m{marker}:predict"
+    assert httpx.post(unknown, json=good, timeout=30).status_code == 404
+    text = log_since(server["log"], offset, f"m{marker}")  # once the second request's lines are written
+    assert f"{MODEL}%3Apredict" in text and "kserve.io." not in text, text[-2000:]
+
+
 def test_a_200_kb_user_id_is_not_echoed_whole(server, items):
     offset = len(server["log"].read_text(errors="replace"))
     huge = "u" * 200_000

@@ -5,8 +5,8 @@
 starts one predictor per decoder on 127.0.0.1 (the AR rows decode the AR teacher; or use --url for a running server /
 the transformer), lets the decoders alternate in --turns turns at each concurrency level (side by side), sends v1 requests
 built from real examples (--examples parquet: user_id, history, candidates) or from the model's item catalogue,
-and writes <out>.json / <out>.md: rows of decoder, tau, concurrency, p50_ms, p95_ms, p99_ms, rps, errors,
-plus the command, machine, git sha and the machine's load average before and after. The diffusion and spec rows
+each client on its own keep-alive connection (`Connection`), and writes <out>.json / <out>.md: rows of decoder,
+tau, concurrency, p50_ms, p95_ms, p99_ms, rps, errors, client_cpu_ms (the load generator's CPU per request), plus the command, machine, git sha and the machine's load average before and after. The diffusion and spec rows
 decode at the bundle's taus (its validated operating tau, and its spec_tau) unless --tau / --spec_tau say otherwise.
 """
 
@@ -22,12 +22,11 @@ import platform
 import random
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from gr2.config import DiffusionConfig
 from gr2.inference import CONFIG_FILE, VERIFIER_DIR
@@ -75,6 +74,64 @@ class Samples:
     model: list[float] = field(default_factory=list)
     errors: int = 0
     wall_s: float = 0.0
+    client_cpu_s: float = 0.0  # this process's CPU time while sending (the load generator's share)
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection that POSTs JSON bodies, encoded before the clock starts.
+
+    The load generator shares the machine with the servers, so its own CPU per request is taken from theirs: httpx
+    spent 2.0-2.5 ms of CPU per request (`python -m deploy.loadtest` at 32 clients), this client about 0.3 ms
+    (docs/SERVING.md). It reads what uvicorn and a proxy send: a body with content-length, or chunked."""
+
+    def __init__(self, url: str, timeout_s: float = 120.0):
+        u = urllib.parse.urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"{url!r}: expected http://host[:port] or https://host[:port]")
+        self.host, self.tls = u.hostname, u.scheme == "https"
+        self.port = u.port or (443 if self.tls else 80)
+        self.timeout_s = timeout_s
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """(status, body) of one POST; a broken connection is closed and the error raised (the next post reopens)."""
+        try:
+            return await asyncio.wait_for(self._post(path, body), self.timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    async def _post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(
+                self.host, self.port, ssl=self.tls or None
+            )
+        assert self.reader is not None
+        head = f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
+        self.writer.write(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
+        status = int((await self.reader.readline()).split(b" ", 2)[1])
+        headers = {}
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if "content-length" in headers:
+            data = await self.reader.readexactly(int(headers["content-length"]))
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            data = b""
+            while size := int((await self.reader.readline()).split(b";")[0], 16):
+                data += (await self.reader.readexactly(size + 2))[:-2]  # each chunk ends in CRLF
+            await self.reader.readline()  # the empty trailer
+        else:
+            raise ConnectionError("response without content-length or chunked body")
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+        return status, data
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
 
 
 async def measure(
@@ -88,37 +145,47 @@ async def measure(
     first: int = 0,
     into: Samples | None = None,
 ) -> Samples:
-    """Send requests first .. first + n_requests - 1 (instances cycled) from `concurrency` closed-loop clients."""
+    """Send requests first .. first + n_requests - 1 (instances cycled) from `concurrency` closed-loop clients,
+    each on its own keep-alive connection."""
     out = into or Samples()
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for k in range(first, first + n_requests):
-        queue.put_nowait(k)
+    path = f"{urllib.parse.urlsplit(url).path.rstrip('/')}/v1/models/{model}:predict"
+    bodies = [
+        json.dumps(
+            {"instances": [{**instances[k % len(instances)], "decoder": decoder, "tau": tau}]}
+        ).encode()
+        for k in range(first, first + n_requests)
+    ]
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(body)
 
-    async def client(http: httpx.AsyncClient) -> None:
-        while True:
-            try:
-                k = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            inst = {**instances[k % len(instances)], "decoder": decoder, "tau": tau}
-            t0 = time.perf_counter()
-            try:
-                r = await http.post(f"{url}/v1/models/{model}:predict", json={"instances": [inst]})
-                ok = r.status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if ok:
-                out.lat.append((time.perf_counter() - t0) * 1000)
-                timing = r.json()["predictions"][0].get("timing_ms", {})
-                out.queue.append(timing.get("queue", float("nan")))
-                out.model.append(timing.get("model", float("nan")))
-            else:
-                out.errors += 1
+    async def client() -> None:
+        conn = Connection(url)
+        try:
+            while True:
+                try:
+                    body = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                t0 = time.perf_counter()
+                try:
+                    status, data = await conn.post(path, body)
+                except (TimeoutError, OSError, EOFError, ValueError):  # refused, reset, cut off, garbled
+                    status, data = 0, b""
+                if status == 200:
+                    out.lat.append((time.perf_counter() - t0) * 1000)
+                    timing = json.loads(data)["predictions"][0].get("timing_ms", {})
+                    out.queue.append(timing.get("queue", float("nan")))
+                    out.model.append(timing.get("model", float("nan")))
+                else:
+                    out.errors += 1
+        finally:
+            conn.close()
 
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as http:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(http) for _ in range(concurrency)))
-        out.wall_s += time.perf_counter() - t0
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    out.wall_s += time.perf_counter() - t0
+    out.client_cpu_s += time.process_time() - cpu0
     return out
 
 
@@ -132,6 +199,7 @@ def summarize(decoder: str, tau: float, concurrency: int, s: Samples) -> dict[st
         "p95_ms": round(percentile(s.lat, 95), 2),
         "p99_ms": round(percentile(s.lat, 99), 2),
         "rps": round(len(s.lat) / s.wall_s, 2) if s.wall_s > 0 else 0.0,
+        "client_cpu_ms": round(1000 * s.client_cpu_s / max(1, len(s.lat) + s.errors), 3),  # per request
         "errors": s.errors,
         # where the time goes: waiting in the batcher, and the model call (prompt encoding + decoding + parsing);
         # the rest of p50 is HTTP, JSON and request validation
@@ -188,14 +256,14 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"max_batch {report.get('max_batch')}, torch threads per server {report.get('torch_threads', 0) or 'default'}",
         "",
         "| batching | decoder | tau | concurrency | p50 ms | p95 ms | p99 ms | req/s | errors | server: queue p50 ms "
-        "| model p50 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model p50 ms | client CPU ms per request |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
             f"| {r.get('batching', 'micro')} | {r['decoder']} | {r['tau']} | {r['concurrency']} | {r['p50_ms']} | "
             f"{r['p95_ms']} | {r['p99_ms']} | {r['rps']} | {r['errors']} | {r.get('queue_p50_ms')} | "
-            f"{r.get('model_p50_ms')} |"
+            f"{r.get('model_p50_ms')} | {r.get('client_cpu_ms')} |"
         )
     for batching, ratios in report.get("by_batching", {}).items():
         for decoder in ("diffusion", "spec"):

@@ -1,12 +1,15 @@
 """The load-test harness (the benchmark itself is `make loadtest`): percentiles, and a tiny run against the
 real predictor that writes the report schema issue 7 asks for."""
 
+import asyncio
 import json
 import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from deploy.loadtest import bundle_tau, main, percentile
+from deploy.loadtest import Connection, bundle_tau, main, percentile
 from gr2.config import DiffusionConfig
 
 
@@ -66,10 +69,12 @@ def test_tiny_run_writes_report(predictor, model_dir, tmp_path):
             "queue_p50_ms",
             "model_p50_ms",
             "batching",
+            "client_cpu_ms",
         }
         assert set(r) == keys and r["batching"] == "continuous"  # the server's default
         assert r["errors"] == 0 and r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"] and r["rps"] > 0
         assert r["n"] == 12  # every request of every turn is counted once
+        assert r["client_cpu_ms"] > 0  # the load generator's own share of the machine
         # the server's own split: the model call is part of what the client waited for
         assert 0 < r["model_p50_ms"] < r["p99_ms"] and r["queue_p50_ms"] >= 0
     tau = bundle_tau(str(model_dir), "tau", None)  # the bundle's operating tau: no --tau given
@@ -100,3 +105,58 @@ def test_the_rows_decode_at_the_bundles_taus_unless_told(tmp_path):
     (tmp_path / "reranker.json").write_text(json.dumps({**DIFFUSION, "name": "an old bundle"}))
     assert bundle_tau(str(tmp_path), "tau", None) == DiffusionConfig.eval_tau
     assert bundle_tau(None, "spec_tau", None) == DiffusionConfig.spec_tau  # --url without a bundle
+
+
+class _Answers(BaseHTTPRequestHandler):
+    """Answers a POST to /chunked in chunks, to /close with connection: close, else with content-length."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers["content-length"]))
+        reply = json.dumps({"path": self.path, "got": json.loads(body)}).encode()
+        self.send_response(201)
+        if self.path == "/chunked":
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            for part in (reply[:5], reply[5:]):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+            self.wfile.write(b"0\r\n\r\n")
+            return
+        self.send_header("content-length", str(len(reply)))
+        if self.path == "/close":
+            self.send_header("connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_connection_reads_every_body_kind_and_reconnects():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def go():
+        conn = Connection(url)
+        out = [
+            await conn.post(p, json.dumps({"k": i}).encode())
+            for i, p in enumerate(["/a", "/chunked", "/close", "/b"])
+        ]
+        conn.close()
+        return out
+
+    try:
+        answers = asyncio.run(go())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [(s, json.loads(b)) for s, b in answers] == [
+        (201, {"path": p, "got": {"k": i}}) for i, p in enumerate(["/a", "/chunked", "/close", "/b"])
+    ]
+    with pytest.raises(OSError):  # nobody listens there any more
+        asyncio.run(Connection(url).post("/a", b"{}"))
+    with pytest.raises(ValueError, match="expected http"):
+        Connection("ftp://x")

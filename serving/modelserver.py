@@ -65,8 +65,8 @@ def drop_kserve_timing() -> None:
         add(self, app)
         app.user_middleware = [m for m in app.user_middleware if m.cls is not TimingMiddleware]
 
-    add_without_timing.kserve_original = add  # type: ignore[attr-defined]  # (patching twice keeps one layer)
-    RESTServer._add_middlewares = add_without_timing  # type: ignore[method-assign]
+    add_without_timing.kserve_original = add  # type: ignore[attr-defined]  # patching twice keeps one layer
+    RESTServer._add_middlewares = add_without_timing
 
 
 def log_rejection(method: str, path: str, status: int, message: str) -> None:

@@ -6,8 +6,9 @@ starts one predictor per decoder on 127.0.0.1 (the AR rows decode the AR teacher
 the transformer), lets the decoders alternate in --turns turns at each concurrency level (side by side), sends v1 requests
 built from real examples (--examples parquet: user_id, history, candidates) or from the model's item catalogue,
 each client on its own keep-alive connection (`Connection`), and writes <out>.json / <out>.md: rows of decoder,
-tau, concurrency, p50_ms, p95_ms, p99_ms, rps, errors, client_cpu_ms (the load generator's CPU per request), plus the command, machine, git sha and the machine's load average before and after. The diffusion and spec rows
-decode at the bundle's taus (its validated operating tau, and its spec_tau) unless --tau / --spec_tau say otherwise.
+tau, concurrency, p50_ms, p95_ms, p99_ms, rps, errors, client_cpu_ms (the load generator's CPU per request),
+plus the command, the machine (its CPU model), git sha and the machine's load average before and after. The
+diffusion and spec rows decode at the bundle's taus (its validated operating tau, and its spec_tau) unless --tau / --spec_tau say otherwise.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import random
 import sys
 import time
@@ -30,7 +30,7 @@ from typing import Any
 
 from gr2.config import DiffusionConfig
 from gr2.inference import CONFIG_FILE, VERIFIER_DIR
-from gr2.report import git_sha
+from gr2.report import git_sha, machine_info
 from serving.schema import BATCHING, ServeConfig
 from serving.serve_local import running, wait_ready
 
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sys.exit(
             f"spec needs a bundle that carries its verifier ({a.model_uri} has no {VERIFIER_DIR}/): pass --decoders"
         )
-    rows, load_before = [], os.getloadavg()
+    rows, load_before, cpu = [], os.getloadavg(), machine_info()
     # Both servers stay up and the decoders alternate in short turns at each concurrency level, so a drift of
     # the machine hits AR and diffusion alike (the ratios are side by side). AR rows decode the AR teacher
     # (--ar_model_uri) when given: the student's own AR decoding is not the baseline the diffusion decoder is
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows.sort(key=lambda r: (a.batching.index(r["batching"]), a.decoders.index(r["decoder"])))
     report = {
         "command": "python -m deploy.loadtest " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpu, python {platform.python_version()}",
+        "machine": f"{cpu['cpu']} x{cpu['cores']}, python {cpu['python']}",
         "git_sha": git_sha(short=True),
         "load_average": {"before": load_before, "after": os.getloadavg()},  # 1, 5, 15 min
         "batching": a.batching,

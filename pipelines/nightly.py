@@ -44,6 +44,7 @@ import pandas as pd
 from components._lib.paths import REPO_ROOT, repo_relative
 from components.event_log import objects_changed, write_items, write_partitions
 from gr2.data.dataset import load_dataset, resolve_dataset
+from gr2.report import machine_info
 
 FAULTS = ("corrupted", "degraded", "shifted")
 # The quick profile on a Beauty slice, changed where the slice needs it (measured on a calibration slice of 3,000
@@ -375,15 +376,8 @@ def _data_docs_screenshot(run_dir: Path, out: Path) -> str:
 
 
 def machine() -> str:
-    cpu = next(
-        (
-            x.split(":", 1)[1].strip()
-            for x in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in x
-        ),
-        "?",
-    )
-    return f"{cpu} x{os.cpu_count()}, load {os.getloadavg()[0]:.2f} at the end"
+    info = machine_info()
+    return f"{info['cpu']} x{info['cores']}, load {os.getloadavg()[0]:.2f} at the end"
 
 
 def git_sha() -> str:

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import pandas as pd
 
 from deploy.loadtest import percentile
 from gr2.inference import read_config
-from gr2.report import git_sha
+from gr2.report import git_sha, machine_info
 from serving.serve_local import running
 from tests.serving.support import MODEL
 from tests.serving.test_robustness import V1, V2, hostile
@@ -209,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
             "command": "python -m tests.serving.burst "
             + " ".join(argv if argv is not None else sys.argv[1:]),
             "git_sha": git_sha(short=True),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+            "machine": "{cpu}, {cores} cores, Python {python}".format(**machine_info()),
             "model": cfg.get("name"),
             "n_candidates": cfg.get("n_candidates"),
             "decoders": decoders,

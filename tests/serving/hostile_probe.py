@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import re
 import socket
 import subprocess
@@ -35,6 +34,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from gr2.report import machine_info
 from serving.schema import ServeConfig
 from serving.serve_local import running
 from tests.serving.conftest import build_feast_repo
@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=code, capture_output=True, text=True)
     meta = {
         "command": "python -m tests.serving.hostile_probe " + " ".join(argv or sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": "{cpu}, {cores} cores, Python {python}".format(**machine_info()),
         "code": rev.stdout.strip() or code.name,
         "load_before": load_before,
         "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),

@@ -82,7 +82,8 @@ class Connection:
 
     The load generator shares the machine with the servers, so its own CPU per request is taken from theirs: httpx
     spent 2.0-2.5 ms of CPU per request (`python -m deploy.loadtest` at 32 clients), this client about 0.3 ms
-    (docs/SERVING.md). It reads what uvicorn and a proxy send: a body with content-length, or chunked."""
+    (docs/SERVING.md). It reads what uvicorn and a proxy send: a body with content-length, or chunked; anything
+    else, or a connection the server closed, is a ConnectionError (the load test counts the request as an error)."""
 
     def __init__(self, url: str, timeout_s: float = 120.0):
         u = urllib.parse.urlsplit(url)
@@ -110,7 +111,10 @@ class Connection:
         assert self.reader is not None
         head = f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
         self.writer.write(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
-        status = int((await self.reader.readline()).split(b" ", 2)[1])
+        first = (await self.reader.readline()).split(b" ", 2)  # HTTP/1.1 200 OK
+        if len(first) < 2 or not first[1].isdigit():  # (b"" when the server closed the connection)
+            raise ConnectionError(f"no HTTP status line: {b' '.join(first)[:80]!r}")
+        status = int(first[1])
         headers = {}
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.decode("latin-1").partition(":")

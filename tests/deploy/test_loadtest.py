@@ -116,6 +116,9 @@ class _Answers(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers["content-length"]))
         reply = json.dumps({"path": self.path, "got": json.loads(body)}).encode()
         self.send_response(201)
+        if self.path == "/hang-up":  # closes the connection without an answer
+            self.close_connection = True
+            return
         if self.path == "/chunked":
             self.send_header("transfer-encoding", "chunked")
             self.end_headers()
@@ -148,14 +151,22 @@ def test_connection_reads_every_body_kind_and_reconnects():
         conn.close()
         return out
 
+    async def hang_up():
+        conn = Connection(url)
+        with pytest.raises(ConnectionError, match="no HTTP status line"):
+            await conn.post("/hang-up", b"{}")
+        return await conn.post("/a", b"{}")  # the next post opens a new connection
+
     try:
         answers = asyncio.run(go())
+        after = asyncio.run(hang_up())
     finally:
         server.shutdown()
         server.server_close()
     assert [(s, json.loads(b)) for s, b in answers] == [
         (201, {"path": p, "got": {"k": i}}) for i, p in enumerate(["/a", "/chunked", "/close", "/b"])
     ]
+    assert after[0] == 201
     with pytest.raises(OSError):  # nobody listens there any more
         asyncio.run(Connection(url).post("/a", b"{}"))
     with pytest.raises(ValueError, match="expected http"):

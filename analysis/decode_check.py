@@ -25,13 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from analysis.speed_check import run_bundles
+from analysis.speed_check import run_bundles, split_lists
 from gr2.generative import GenerativeReranker
 from gr2.report import git_sha, machine_info
 from gr2.stages.evaluate import load
-from pipelines.run_local import run_examples, run_profile
 
 DRAFTS = ("rl", "opd", "cft")  # spec's draft: the final student, as gr2/stages/evaluate.py picks it
 
@@ -64,12 +61,7 @@ def digest(
 
 def check(run: Path, split: str, batch1_lists: int, limit: int = 0) -> dict:
     report = json.loads((run / "report.json").read_text())
-    profile = run_profile(run)
-    torch.set_num_threads(profile.eval.threads)
-    examples = run_examples(run)
-    df = examples[examples["split"] == split].reset_index(drop=True)
-    if limit > 0:
-        df = df.head(limit)
+    profile, df = split_lists(run, split, limit)
     names = [r["model"] for r in report["rows"]]
     bundles = run_bundles(run)
     models = {name: load(bundles[name]) for name in names if name in bundles}

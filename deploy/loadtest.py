@@ -8,7 +8,8 @@ built from real examples (--examples parquet: user_id, history, candidates) or f
 each client on its own keep-alive connection (`Connection`), and writes <out>.json / <out>.md: rows of decoder,
 tau, concurrency, p50_ms, p95_ms, p99_ms, rps, errors, client_cpu_ms (the load generator's CPU per request),
 plus the command, the machine (its CPU model), git sha and the machine's load average before and after. The
-diffusion and spec rows decode at the bundle's taus (its validated operating tau, and its spec_tau) unless --tau / --spec_tau say otherwise.
+diffusion and spec rows decode at the bundle's taus (its validated operating tau, and its spec_tau) unless --tau /
+--spec_tau say otherwise.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Connection:
     """One keep-alive HTTP/1.1 connection that POSTs JSON bodies, encoded before the clock starts.
 
     The load generator shares the machine with the servers, so its own CPU per request is taken from theirs: httpx
-    spent 2.0-2.5 ms of CPU per request (`python -m deploy.loadtest` at 32 clients), this client about 0.3 ms
+    spent 2.0-2.5 ms of CPU per request (`python -m deploy.loadtest` at 32 clients), this client 0.15-0.35 ms
     (docs/SERVING.md). It reads what uvicorn and a proxy send: a body with content-length, or chunked; anything
     else, or a connection the server closed, is a ConnectionError (the load test counts the request as an error)."""
 

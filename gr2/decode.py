@@ -27,8 +27,9 @@ inside a block is bidirectional, so the KV of every position of the block (and t
 which predict the next block's first token) saw those masks. So the finished block is fed once more, folded into
 the next block's first round (Fast-dLLM v2): input [finished block, canvas] under the block-causal mask, the
 finished block's KV kept, the canvas KV dropped (`DynamicCache.crop`). That costs block_size more tokens in one
-forward per block and no extra forward: block_size = 1 diffusion is AR exactly, nfe included, and
-nfe = 1 + n_blocks when every block commits in one round.
+forward per block and no extra forward: block_size = 1 diffusion is AR exactly, nfe included (without a layout
+rule: a block the layout fixes needs no round, `layout_commits`), and nfe = 1 + n_blocks when every block commits
+in one round.
 
 Rules. `unique` (tokens written at most once per row) and `follow` (the answer follows the trace) are
 gr2/rules.py's; every decoder applies both, and the equivalences hold with them. A greedy diffusion round ends
@@ -37,7 +38,9 @@ single label (a level no other candidate has, or the last label of a tied level)
 logits could not pick anything else, so waiting a round for them would cost a forward and decide nothing. (An AR
 decoder could skip those forwards too, by feeding a forced token together with the next one, as jump-forward
 decoding does; `ar_generate` decodes one token per forward, the baseline the speedups are measured against.)
-Sampling (`commit_fn`) leaves them to the model's rounds, so RL's replay sees the trajectory it sampled.
+Greedy blocks also start with the tokens the layout fixes committed (`layout_commits`), so the first round reads
+each score level's label. Sampling (`commit_fn`) leaves both to the model's rounds, so RL's replay sees the
+trajectory it sampled.
 
 Greedy by default. The token-choice rule is pluggable (`pick` for AR, `commit_fn` for diffusion) so that
 gr2/rl.py samples its rollouts with these same loops; the optional `logprobs` output tensor then receives the
@@ -377,9 +380,12 @@ def finish_rows(blk: Block, done: torch.Tensor, eos_id: int, fill: int) -> None:
 Logits = Callable[[Decoding, Block], torch.Tensor]
 
 
-def open_block(d: Decoding, s0: int, end: int, first: tuple[torch.Tensor, torch.Tensor] | None) -> Block:
+def open_block(
+    d: Decoding, s0: int, end: int, first: tuple[torch.Tensor, torch.Tensor] | None, *, layout: bool = False
+) -> Block:
     """The canvas of columns s0:end: masks, and `fill` in finished rows. first (spec): the verifier's token for
-    the block's first position and the rows where it is exact, which start with it committed."""
+    the block's first position and the rows where it is exact, which start with it committed. layout (greedy
+    rounds): the tokens the layout fixes start committed too (`layout_commits`)."""
     tokens, committed = d.resp[:, s0:end], d.done[:, None].repeat(1, end - s0)
     if first is not None:
         tokens[:, 0] = torch.where(first[1], first[0], tokens[:, 0])
@@ -390,8 +396,36 @@ def open_block(d: Decoding, s0: int, end: int, first: tuple[torch.Tensor, torch.
     if d.rules is not None:
         if first is not None:
             d.rules.seen |= tokens[:, 0, None] == d.rules.unique
+        if layout:
+            layout_commits(d, blk)
         blk.slots, blk.per_round = d.rules.open_slots(d.resp, committed, s0)
     return blk
+
+
+def layout_commits(d: Decoding, blk: Block) -> None:
+    """Commit, in place and before the block's first round, every open position whose token the layout fixes (a
+    trace label, the answer's head, a separator, its tail, eos: gr2/rules.py `Layout`); their trajectory is that
+    first round. Why: the bans would commit them in the first round anyway, but that round would predict every
+    score level from a canvas of masks, so the model could find a candidate's evidence by position only. A list
+    shorter than N moves every position, and the student, trained mostly on lists of N, then wrote score levels
+    nearly 1 apart from the teacher's (|level difference| 0.84 against 0.07 on lists of N; docs/RESULTS.md, 'The
+    layout's tokens before the first round'). With the label in place, the level after it reads that label's
+    evidence. Greedy rounds only: sampling (RL) leaves them to the model's rounds, as `forced_commits`."""
+    assert d.rules is not None
+    fixed = d.rules.fixed_tokens(blk.s0, blk.tokens.shape[1])
+    if fixed is None:
+        return
+    tokens, where = fixed
+    new = where & ~blk.committed
+    if not bool(new.any()):
+        return
+    blk.tokens.copy_(torch.where(new, tokens, blk.tokens))
+    if blk.traj is not None:
+        blk.traj.masked_fill_(new, d.rnd)
+    blk.committed |= new
+    if d.eos_id is not None and bool((new & (tokens == d.eos_id)).any()):
+        blk.eos_seen = True
+        finish_rows(blk, d.done, d.eos_id, d.fill)
 
 
 def block_loop(
@@ -404,7 +438,9 @@ def block_loop(
         if bool(d.done.all()):
             break
         end = min(s0 + block_size, d.L)
-        run_block(d, open_block(d, s0, end, None if verify is None else verify.first), how, logits, verify)
+        first = None if verify is None else verify.first
+        blk = open_block(d, s0, end, first, layout=how.commit_fn is None)
+        run_block(d, blk, how, logits, verify)
     d.resp[:, end:] = d.fill  # blocks never reached because every row had finished
 
 

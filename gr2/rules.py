@@ -76,6 +76,10 @@ class Layout:
         t[2 + K + torch.arange(len(fixed), device=dev), fixed] = True
         return t
 
+    def fixed(self) -> torch.Tensor:
+        """[F]: the fixed tokens, in `table`'s order (kind 2 + K + i is fixed token i)."""
+        return torch.cat([self.labels, self.head, torch.tensor([self.sep]), self.tail])
+
     def kinds(self, n: torch.Tensor, width: int) -> torch.Tensor:
         """[B, width]: the kind of each response position (a row of `table`) for rows of n [B] candidates."""
         K, H, dev = len(self.labels), len(self.head), n.device
@@ -392,6 +396,21 @@ class Rules:
         if self.table is None or self.table.shape[1] != vocab:
             self.table = self.layout.table(self.unique, vocab)
         return ~self.table[kind]
+
+    def fixed_tokens(self, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(tokens [B, width], where [B, width]): the fixed tokens of the layout at response positions
+        start..start+width and where they are, or None when the layout fixes none of them."""
+        if self.kind is None or self.layout is None:
+            return None
+        kind = self.kind[:, start : start + width]
+        if kind.shape[1] < width:
+            kind = F.pad(kind, (0, width - kind.shape[1]))
+        first = 2 + len(self.layout.labels)
+        where = kind >= first
+        if not bool(where.any()):
+            return None
+        fixed = self.layout.fixed().to(kind.device)
+        return fixed[(kind - first).clamp(min=0)], where
 
     def bans(self, vocab: int, slots: Slots | None, start: int, width: int) -> torch.Tensor | None:
         """`rule_bans` and `layout_bans` as one mask [B, width, vocab] (True = banned), or None: what a diffusion

@@ -164,7 +164,7 @@ def test_cft_changes_weights_and_keeps_block_size(pipeline):
     prompts = cft.encode_prompts(ex["history"].tolist(), ex["candidates"].tolist())
     own, at_tau = cft.decode(prompts, "diffusion"), cft.decode(prompts, "diffusion", cft.tau)
     assert own.responses == at_tau.responses and own.nfe == at_tau.nfe
-    assert own.nfe < cft.decode(prompts, "diffusion", 1.0).nfe  # (a tau that matters)
+    assert own.nfe > cft.decode(prompts, "diffusion", 0.1).nfe  # (a tau that matters)
 
 
 def test_cft_trains_on_the_teachers_greedy_responses(pipeline):

@@ -82,7 +82,8 @@ def test_the_layout_keeps_the_equivalences(trace_models, tau):
     a, n_ar = ar_generate(ar, ps, L, EOS, **kw)
     assert torch.equal(a, ar_generate_nocache(ar, ps, L, EOS, **kw)[0])
     d1, n_d1, _ = diffusion_generate(ar, ps, L, 1, tau, MASK, EOS, **kw)
-    assert torch.equal(a, d1) and n_ar == n_d1
+    # (a position the layout fixes in every open row is a block of one committed before any round: no forward)
+    assert torch.equal(a, d1) and n_d1 < n_ar
     assert torch.equal(a, spec_generate(diff, ar, ps, L, BS, tau, MASK, EOS, **kw)[0])
     for bs in (3, 4):
         d, _, t1 = diffusion_generate(diff, ps, L, bs, tau, MASK, EOS, **kw)

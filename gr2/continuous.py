@@ -148,7 +148,7 @@ class Stream:
         assert self.rounds is not None
         s0, cfg = self.s0, self.cfg
         end = min(s0 + cfg.block_size, d.L)
-        blk = open_block(d, s0, end, None, layout=True)
+        blk = open_block(d, s0, end, None)
         past = (
             torch.arange(s0, end, device=d.seq.device)[None, :] >= (self.offset + cfg.max_new_tokens)[:, None]
         )

@@ -38,9 +38,9 @@ single label (a level no other candidate has, or the last label of a tied level)
 logits could not pick anything else, so waiting a round for them would cost a forward and decide nothing. (An AR
 decoder could skip those forwards too, by feeding a forced token together with the next one, as jump-forward
 decoding does; `ar_generate` decodes one token per forward, the baseline the speedups are measured against.)
-Greedy blocks also start with the tokens the layout fixes committed (`layout_commits`), so the first round reads
-each score level's label. Sampling (`commit_fn`) leaves both to the model's rounds, so RL's replay sees the
-trajectory it sampled.
+Sampling (`commit_fn`) leaves them to the model's rounds, so RL's replay sees the trajectory it sampled. Every
+block, greedy or sampled, starts with the tokens the layout fixes committed (`layout_commits`), so the first round
+reads each score level's label.
 
 Greedy by default. The token-choice rule is pluggable (`pick` for AR, `commit_fn` for diffusion) so that
 gr2/rl.py samples its rollouts with these same loops; the optional `logprobs` output tensor then receives the
@@ -95,6 +95,10 @@ def pad_prompts(prompts: list[list[int]], model: torch.nn.Module) -> tuple[torch
 # pick(logits [B, V]) -> (tokens [B], log-probs [B]): the AR token choice (default: arg-max).
 PickRule = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # commit_fn(logits [B, C, V], masked [B, C], tau) -> (commit [B, C], tokens [B, C], log-probs [B, C]):
+# A trajectory's value for a token the layout gave before the block's first round (`layout_commits`): every round
+# of its block saw it, and no round chose it (RL's replay shows it and scores nothing there).
+GIVEN = -2
+
 # the diffusion commit rule (default: `select_commits`).
 CommitRule = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -115,7 +119,9 @@ class Decoding:
     attn: torch.Tensor = field(init=False)  # [B, P + L]: 1 = a real column
     pos: torch.Tensor = field(init=False)  # [B, P + L]: position ids
     done: torch.Tensor = field(init=False)  # [B]: finished rows
-    traj: torch.Tensor = field(init=False)  # [B, L]: the commit round of each token (-1: never decoded)
+    traj: torch.Tensor = field(
+        init=False
+    )  # [B, L]: the commit round of each token (-1: never decoded, GIVEN)
 
     def __post_init__(self) -> None:
         B, dev = self.seq.shape[0], self.seq.device
@@ -380,12 +386,10 @@ def finish_rows(blk: Block, done: torch.Tensor, eos_id: int, fill: int) -> None:
 Logits = Callable[[Decoding, Block], torch.Tensor]
 
 
-def open_block(
-    d: Decoding, s0: int, end: int, first: tuple[torch.Tensor, torch.Tensor] | None, *, layout: bool = False
-) -> Block:
+def open_block(d: Decoding, s0: int, end: int, first: tuple[torch.Tensor, torch.Tensor] | None) -> Block:
     """The canvas of columns s0:end: masks, and `fill` in finished rows. first (spec): the verifier's token for
-    the block's first position and the rows where it is exact, which start with it committed. layout (greedy
-    rounds): the tokens the layout fixes start committed too (`layout_commits`)."""
+    the block's first position and the rows where it is exact, which start with it committed. The tokens the
+    layout fixes start committed too (`layout_commits`)."""
     tokens, committed = d.resp[:, s0:end], d.done[:, None].repeat(1, end - s0)
     if first is not None:
         tokens[:, 0] = torch.where(first[1], first[0], tokens[:, 0])
@@ -396,21 +400,20 @@ def open_block(
     if d.rules is not None:
         if first is not None:
             d.rules.seen |= tokens[:, 0, None] == d.rules.unique
-        if layout:
-            layout_commits(d, blk)
+        layout_commits(d, blk)
         blk.slots, blk.per_round = d.rules.open_slots(d.resp, committed, s0)
     return blk
 
 
 def layout_commits(d: Decoding, blk: Block) -> None:
     """Commit, in place and before the block's first round, every open position whose token the layout fixes (a
-    trace label, the answer's head, a separator, its tail, eos: gr2/rules.py `Layout`); their trajectory is that
-    first round. Why: the bans would commit them in the first round anyway, but that round would predict every
+    trace label, the answer's head, a separator, its tail, eos: gr2/rules.py `Layout`). Why: the bans would commit them in the first round anyway, but that round would predict every
     score level from a canvas of masks, so the model could find a candidate's evidence by position only. A list
     shorter than N moves every position, and the student, trained mostly on lists of N, then wrote score levels
     nearly 1 apart from the teacher's (|level difference| 0.84 against 0.07 on lists of N; docs/RESULTS.md, 'The
     layout's tokens before the first round'). With the label in place, the level after it reads that label's
-    evidence. Greedy rounds only: sampling (RL) leaves them to the model's rounds, as `forced_commits`."""
+    evidence. Their trajectory is GIVEN; sampling gives them too, so RL trains the decoder that serves, and CFT
+    never masks them (gr2/losses.py `layout_given`)."""
     assert d.rules is not None
     fixed = d.rules.fixed_tokens(blk.s0, blk.tokens.shape[1])
     if fixed is None:
@@ -421,7 +424,7 @@ def layout_commits(d: Decoding, blk: Block) -> None:
         return
     blk.tokens.copy_(torch.where(new, tokens, blk.tokens))
     if blk.traj is not None:
-        blk.traj.masked_fill_(new, d.rnd)
+        blk.traj.masked_fill_(new, GIVEN)
     blk.committed |= new
     if d.eos_id is not None and bool((new & (tokens == d.eos_id)).any()):
         blk.eos_seen = True
@@ -438,9 +441,7 @@ def block_loop(
         if bool(d.done.all()):
             break
         end = min(s0 + block_size, d.L)
-        first = None if verify is None else verify.first
-        blk = open_block(d, s0, end, first, layout=how.commit_fn is None)
-        run_block(d, blk, how, logits, verify)
+        run_block(d, open_block(d, s0, end, None if verify is None else verify.first), how, logits, verify)
     d.resp[:, end:] = d.fill  # blocks never reached because every row had finished
 
 
@@ -595,8 +596,9 @@ def diffusion_generate(
     `select_commits` at tau (or `commit_fn`).
 
     trajectory [B, max_new_tokens]: the commit round (0-based, counted over the whole call and shared by the
-    batch) at which each token was committed; -1 = eos filler written after the row finished. To replay the
-    canvas a token was predicted from (RL): its block holds the tokens with a smaller round, masks elsewhere.
+    batch) at which each token was committed; -1 = eos filler written after the row finished; GIVEN = a token the
+    layout fixes, committed before the block's first round. To replay the canvas a token was predicted from (RL):
+    its block holds the GIVEN tokens and those with a smaller round, masks elsewhere.
 
     commit_fn: the commit rule, called as commit_fn(shifted logits, masked, tau) -> (commit, tokens, log-probs)
     (default `select_commits`, no log-probs computed). logprobs: optional output [B, max_new_tokens] (needs

@@ -101,11 +101,13 @@ def sample_masks(
     rng: torch.Generator,
     noise_eps: float = 0.05,
     complementary: bool = True,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Noise the response: one t ~ U[noise_eps, 1 - noise_eps] per (row, block), each position masked with
     prob t. Returns (masks [V, B, R] bool, p_mask [V, B, R]) for V = 2 views (the second masks exactly the
     complement, with prob 1 - t) or V = 1. The interval is clipped on both sides so that the 1/t weight of
-    either view stays <= 1/noise_eps (BD3-LM clips its schedule for the same variance reason)."""
+    either view stays <= 1/noise_eps (BD3-LM clips its schedule for the same variance reason). keep [B, R]:
+    positions no view masks (the layout's tokens, `layout_given`: the decoder never predicts them)."""
     B, R = batch.input_ids.shape[0], batch.resp_len
     nb = R // block_size
     t = noise_eps + (1 - 2 * noise_eps) * torch.rand(B, nb, generator=rng)
@@ -115,8 +117,20 @@ def sample_masks(
     if complementary:
         masks.append(~m)
         probs.append(1 - t)
+    if keep is not None:
+        masks = [x & ~keep.cpu() for x in masks]
     dev = batch.input_ids.device
     return torch.stack(masks).to(dev), torch.stack(probs).to(dev)
+
+
+def layout_given(resp: torch.Tensor, fixed: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[B, R]: the response positions up to each row's first eos whose token is one the layout fixes (`fixed`:
+    gr2/rules.py `Layout.fixed`). The decoder commits them before a block's first round (gr2/decode.py
+    `layout_commits`), so CFT never masks them: every canvas it trains on shows them, as every decoding canvas
+    does. Score levels and answer labels are never fixed tokens, so the tokens say where they are."""
+    is_eos = (resp == eos_id).long()
+    upto = (is_eos.cumsum(-1) - is_eos) == 0  # no eos strictly before
+    return torch.isin(resp, fixed.to(resp.device)) & upto
 
 
 def bd3_mask(
@@ -274,13 +288,16 @@ def masked_diffusion_loss(
     complementary: bool = True,
     weighting: str = "inv_t",
     certainty_weight: float = 0.0,
+    given: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """CFT objective (docs/PAPER.md, CFT): block masked diffusion with complementary masks, 1/t weighting, answer/trace
     weights, block-causal attention and the AR token shift, plus optional certainty forcing (`_masked_ce`).
-    `batch` must be collated with this block_size."""
+    `batch` must be collated with this block_size. given: (the layout's fixed tokens, eos id): those positions
+    are never masked (`layout_given`)."""
     if batch.resp_len % block_size:
         raise ValueError(f"response width {batch.resp_len} is not a multiple of block_size {block_size}")
-    masks, p_mask = sample_masks(batch, block_size, rng, noise_eps, complementary)
+    keep = None if given is None else layout_given(batch.input_ids[:, batch.prompt_len :], *given)
+    masks, p_mask = sample_masks(batch, block_size, rng, noise_eps, complementary, keep)
     return diffusion_loss_from_masks(
         model, batch, masks, p_mask, block_size, mask_id, weighting, certainty_weight
     )

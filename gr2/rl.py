@@ -33,7 +33,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from gr2.decode import ar_generate, diffusion_generate, pad_prompts, threshold_commits
+from gr2.decode import GIVEN, ar_generate, diffusion_generate, pad_prompts, threshold_commits
 from gr2.losses import Batch, certainty_entropy, diffusion_logits, sample_masks
 from gr2.model import block_causal_mask, decoder_and_head, position_ids_for
 from gr2.rules import NO_RULES, DecodeRules, Rules, Slots, TraceRule, answer_slots, ban_repeats, keep_slots
@@ -255,10 +255,10 @@ def _canvases(
         for q, s0 in enumerate(range(0, R, bs)):
             t, x, s = tr[b][s0 : s0 + bs], tok[b][s0 : s0 + bs], sc[b][s0 : s0 + bs]
             for rd in sorted({t[i] for i in range(1, len(t)) if s[i]}):
-                # Tokens committed in earlier rounds are visible (fillers, -1, were masks at the time).
-                cs.append(
-                    [x[i] if 0 <= t[i] < rd else mask_id for i in range(len(t))] + [mask_id] * (bs - len(t))
-                )
+                # Tokens committed in earlier rounds, and the layout's (GIVEN), are visible (fillers, -1, were masks
+                # at the time).
+                seen = [0 <= t[i] < rd or t[i] == GIVEN for i in range(len(t))]
+                cs.append([x[i] if seen[i] else mask_id for i in range(len(t))] + [mask_id] * (bs - len(t)))
                 qs.append(q)
                 for i in range(1, len(t)):
                     if s[i] and t[i] == rd:
@@ -333,9 +333,9 @@ def slots_at_commit(
     follow: TraceRule, tokens: torch.Tensor, traj: torch.Tensor, prompt_ids: torch.Tensor
 ) -> Slots:
     """`answer_slots` as the decoder applied them: active at a token committed after the whole trace was (traj:
-    commit rounds, AR: columns; -1 = never decoded)."""
+    commit rounds, AR: columns; -1 = never decoded; GIVEN: the layout's, known from the start)."""
     n = follow.n_candidates(prompt_ids)
-    slots = answer_slots(follow, tokens, traj >= 0, n)
+    slots = answer_slots(follow, tokens, traj != -1, n)
     in_trace = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < 2 * n[:, None]
     trace_round = (
         traj.masked_fill(~in_trace, -1).max(-1).values
@@ -462,7 +462,8 @@ def rollout_certainty(
     b = Batch(
         torch.cat([batch.input_ids[:, :P], resp], 1), F.pad(batch.weights, (0, pad)), batch.pad_lens, P, 0
     )
-    masks, _ = sample_masks(b, block_size, rng, complementary=False)
+    given = F.pad(batch.traj == GIVEN, (0, pad))  # the layout's tokens: never masked, as when sampled
+    masks, _ = sample_masks(b, block_size, rng, complementary=False, keep=given)
     logits = diffusion_logits(model, b, masks, block_size, mask_id)  # [B, R + pad, V]
     sel = masks[0] & (w > 0)
     return certainty_entropy(logits[sel].float().log_softmax(-1), resp[sel], w[sel])

@@ -17,7 +17,15 @@ import torch
 from tqdm import tqdm
 
 from gr2.config import DiffusionConfig, Profile, TrainConfig
-from gr2.generative import Bundle, BundleConfig, BundlePrompt, GenerativeReranker, load_bundle, save_bundle
+from gr2.generative import (
+    Bundle,
+    BundleConfig,
+    BundlePrompt,
+    GenerativeReranker,
+    decode_rules,
+    load_bundle,
+    save_bundle,
+)
 from gr2.losses import ar_batch_loss, collate, masked_diffusion_loss
 from gr2.model import add_lora, build_backbone, convert_to_diffusion, n_params
 from gr2.stages.prepare import SFTData
@@ -172,8 +180,9 @@ def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir
     SFT responses ("sft").
 
     Responses are padded to block multiples with eos (what the decoder leaves after the answer), padding
-    excluded from the loss unless diffusion.pad_weight > 0; complementary masks; block-causal attention +
-    token shift. Same loop, batches and checkpointing as SFT."""
+    excluded from the loss unless diffusion.pad_weight > 0; complementary masks that never cover the layout's
+    fixed tokens (the decoder commits them before a block's first round, gr2/losses.py `layout_given`);
+    block-causal attention + token shift. Same loop, batches and checkpointing as SFT."""
     out = Path(out_dir)
     naive = load_bundle(naive_bundle)
     model, tok = naive.model, naive.tokenizer
@@ -199,8 +208,10 @@ def train_cft(naive_bundle: str | Path, data: SFTData, profile: Profile, out_dir
         resp_pad_id=tok.eos_token_id,
         pad_weight=dc.pad_weight,
     )
+    layout = decode_rules(tok, naive.config.prompt).layout
     loss_fn = partial(
         _cft_loss,
+        given=None if layout is None else (layout.fixed(), tok.eos_token_id),
         block_size=bs,
         mask_id=tok.mask_token_id,
         noise_eps=dc.noise_eps,

@@ -6,8 +6,9 @@ import copy
 import pytest
 import torch
 
-from gr2.decode import ar_generate, diffusion_generate, spec_generate
+from gr2.decode import GIVEN, ar_generate, diffusion_generate, spec_generate
 from gr2.decode_reference import ar_generate_nocache, diffusion_generate_nocache
+from gr2.losses import Batch, layout_given, sample_masks
 from gr2.model import convert_to_diffusion
 from gr2.rules import DecodeRules, Rules
 from tests.gr2.toys import BOS, EOS, MASK, toy_model
@@ -90,3 +91,56 @@ def test_the_layout_keeps_the_equivalences(trace_models, tau):
         e, _, t2 = diffusion_generate_nocache(diff, ps, L, bs, tau, MASK, EOS, **kw)
         assert torch.equal(d, e) and torch.equal(t1, t2)
         assert all(well_formed(p, r) for p, r in zip(ps, d.tolist(), strict=True))
+
+
+def test_blocks_start_with_the_layouts_tokens(trace_models):
+    """Block diffusion commits the tokens the layout fixes before a block's first round (`layout_commits`): their
+    trajectory is GIVEN, every other token's is a round, and the block's first forward already reads them (so a
+    level's first prediction sees its label)."""
+    _, diff = trace_models
+    ps = shaped_prompts(2)
+    fed: list[torch.Tensor] = []
+    hook = diff.register_forward_pre_hook(
+        lambda m, a, kw: fed.append(kw["input_ids"].clone()), with_kwargs=True
+    )
+    try:
+        tokens, _, traj = diffusion_generate(diff, ps, L, BS, 0.5, MASK, EOS, rules=RULED)
+    finally:
+        hook.remove()
+    for p, row, t in zip(ps, tokens.tolist(), traj.tolist(), strict=True):
+        k = len(p) // 2
+        end = 4 * k + len(HEAD) - 1  # the eos
+        fixed = {
+            *range(0, 2 * k, 2),
+            *range(2 * k, 2 * k + len(HEAD)),
+            *range(2 * k + len(HEAD) + 1, end, 2),
+            end,
+        }
+        assert {j for j in range(end + 1) if t[j] == GIVEN} == fixed
+        assert all(t[j] >= 0 for j in range(end + 1) if j not in fixed)
+        assert [row[j] for j in range(0, 2 * k, 2)] == LABELS[:k]
+    first_canvas = fed[1]  # after the prefill: block 0's first round, [B, BS]
+    assert torch.equal(first_canvas[:, 0], torch.tensor([LABELS[0]] * len(ps)))
+
+
+def test_cft_never_masks_the_layouts_tokens():
+    """CFT's noise (`sample_masks` with `layout_given`) leaves every fixed token of the layout unmasked in both
+    views, up to the first eos, and masks the rest as before."""
+    k = 3
+    row = [LABELS[0], LEVELS[1], LABELS[1], LEVELS[0], LABELS[2], LEVELS[2], *HEAD]
+    row += [ANSWER[0], COMMA, ANSWER[2], COMMA, ANSWER[1], EOS, EOS, EOS]
+    resp = torch.tensor([row])
+    given = layout_given(resp, SHAPE.fixed(), EOS)
+    assert given[0].tolist() == [t in (*LABELS, *HEAD, COMMA, EOS) for t in row[:-2]] + [False, False]
+    assert int(given.sum()) == k + len(HEAD) + (k - 1) + 1
+    batch = Batch(
+        torch.cat([torch.tensor([[BOS]]), resp], 1),
+        torch.ones(1, 1 + len(row)),
+        torch.zeros(1, dtype=torch.long),
+        1,
+        0,
+    )
+    for seed in range(5):
+        masks, _ = sample_masks(batch, len(row), torch.Generator().manual_seed(seed), keep=given)
+        assert not bool((masks & given).any()) and bool(masks.any())
+        assert torch.equal(masks[0] | masks[1], ~given.expand_as(masks[0]))

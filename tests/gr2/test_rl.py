@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gr2.config import load_profile
-from gr2.decode import ar_generate, diffusion_generate
+from gr2.decode import GIVEN, ar_generate, diffusion_generate
 from gr2.model import convert_to_diffusion
 from gr2.rl import (
     Sampling,
@@ -268,7 +268,8 @@ def test_replay_with_the_trace_rule_matches_the_constrained_sampler(trace_models
 
 def test_replay_with_the_layout_matches_the_constrained_sampler(trace_models):
     """Rollouts sampled under the layout (gr2/rules.py `Layout`) replay to the sampler's log-probs only when the
-    replay applies it too: its fixed tokens then have log-prob 0, as sampled."""
+    replay applies it too. Block diffusion commits the layout's fixed tokens before a block's first round (GIVEN):
+    the replay shows them in every canvas of their block and scores none of them."""
     ar, diff = trace_models
     g = torch.Generator().manual_seed(1)
     ps = [p for p, _, _ in trace_items(16, 6)]
@@ -278,6 +279,8 @@ def test_replay_with_the_layout_matches_the_constrained_sampler(trace_models):
         batch = rollout_batch(ro, EOS)
         resp = batch.input_ids[:, batch.prompt_len :]
         assert all(follows(p, r) is not None for p, r in zip(ps, ro.tokens.tolist(), strict=True))
+        if bs:  # (the trace labels, the answer's head, its separators and tail)
+            assert bool((ro.traj == GIVEN).any()) and not bool(batch.scored[batch.traj == GIVEN].any())
         lp = token_logprobs(policy_logits(model, batch, bs, MASK, ruled), resp)
         assert (lp - batch.old_logprobs)[batch.scored].abs().max() < 1e-4
         free = token_logprobs(policy_logits(model, batch, bs, MASK, DecodeRules(ANSWER_IDS, FOLLOW)), resp)

@@ -124,13 +124,14 @@ def sample_masks(
 
 
 def layout_given(resp: torch.Tensor, fixed: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """[B, R]: the response positions up to each row's first eos whose token is one the layout fixes (`fixed`:
-    gr2/rules.py `Layout.fixed`). The decoder commits them before a block's first round (gr2/decode.py
-    `layout_commits`), so CFT never masks them: every canvas it trains on shows them, as every decoding canvas
-    does. Score levels and answer labels are never fixed tokens, so the tokens say where they are."""
+    """[B, R]: the response positions whose token the layout fixes: up to each row's first eos those holding one of
+    `fixed` (gr2/rules.py `Layout.fixed`), and every position after it (eos, the filler). The decoder commits
+    them before a block's first round (gr2/decode.py `layout_commits`), so CFT never masks them: every canvas it
+    trains on shows them, as every decoding canvas does. Score levels and answer labels are never fixed tokens,
+    so the tokens say where they are."""
     is_eos = (resp == eos_id).long()
     upto = (is_eos.cumsum(-1) - is_eos) == 0  # no eos strictly before
-    return torch.isin(resp, fixed.to(resp.device)) & upto
+    return (torch.isin(resp, fixed.to(resp.device)) & upto) | ~upto
 
 
 def bd3_mask(

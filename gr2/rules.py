@@ -50,7 +50,8 @@ class TraceRule:
 class Layout:
     """The response's shape, which its list's length n fixes (module docstring: the layout). Every position is one
     of: a fixed token (a trace label, the answer's head, a separator, its tail, eos), a score level, or an answer
-    label of the n candidates (`unique[:n]`). Past the eos nothing is ruled."""
+    label of the n candidates (`unique[:n]`). Past the eos: eos, the filler a finished row gets (a token there means
+    nothing, but a label there would count as written and could leave an answer slot no label)."""
 
     labels: torch.Tensor  # [K] the prompt's label tokens [A], [B], ...: n = how many a prompt holds
     levels: torch.Tensor | None  # [S] the trace's score levels; None: the response has no trace (answer only)
@@ -97,10 +98,8 @@ class Layout:
         answer = (r >= 0) & (r < 2 * n - 1)
         kind = torch.where(answer & (r % 2 == 0), 1 + n, kind)
         kind = torch.where(answer & (r % 2 == 1), fix + K + H, kind)
-        u = r - (2 * n - 1)
-        return torch.where(
-            (u >= 0) & (u < len(self.tail)), fix + K + H + 1 + u.clamp(0, len(self.tail) - 1), kind
-        )
+        u = r - (2 * n - 1)  # the tail, eos last, then eos again
+        return torch.where(u >= 0, fix + K + H + 1 + u.clamp(0, len(self.tail) - 1), kind)
 
 
 @dataclass(frozen=True)
@@ -283,6 +282,13 @@ def block_slots(
     return answer_slots(follow, resp, known, n, offset).cols(-cl)
 
 
+def extend_kinds(kind: torch.Tensor, width: int) -> torch.Tensor:
+    """`Layout.kinds` [B, W] to at least `width` columns: a row's last kind (past its eos: eos) goes on."""
+    if kind.shape[1] >= width:
+        return kind
+    return torch.cat([kind, kind[:, -1:].expand(-1, width - kind.shape[1])], dim=1)
+
+
 def shift_cols(x: torch.Tensor, offset: torch.Tensor, fill: int) -> torch.Tensor:
     """x [B, W] with row b moved offset[b] columns right (width W + max offset), `fill` before it."""
     W = x.shape[1]
@@ -361,12 +367,7 @@ class Rules:
             out.offset = torch.cat([self.offsets(), other.offsets()])
         if self.kind is not None and other.kind is not None:
             w = max(self.kind.shape[1], other.kind.shape[1])
-            out.kind = torch.cat(
-                [
-                    F.pad(self.kind, (0, w - self.kind.shape[1])),
-                    F.pad(other.kind, (0, w - other.kind.shape[1])),
-                ]
-            )
+            out.kind = torch.cat([extend_kinds(self.kind, w), extend_kinds(other.kind, w)])
         out.ends()
         return out
 
@@ -391,8 +392,7 @@ class Rules:
         kind = self.kind[:, start : start + width]
         if not bool(kind.any()):
             return None
-        if kind.shape[1] < width:  # positions past every ruled one
-            kind = F.pad(kind, (0, width - kind.shape[1]))
+        kind = extend_kinds(kind, width)
         if self.table is None or self.table.shape[1] != vocab:
             self.table = self.layout.table(self.unique, vocab)
         return ~self.table[kind]
@@ -403,8 +403,7 @@ class Rules:
         if self.kind is None or self.layout is None:
             return None
         kind = self.kind[:, start : start + width]
-        if kind.shape[1] < width:
-            kind = F.pad(kind, (0, width - kind.shape[1]))
+        kind = extend_kinds(kind, width)
         first = 2 + len(self.layout.labels)
         where = kind >= first
         if not bool(where.any()):

@@ -44,15 +44,16 @@ def well_formed(prompt: list[int], row: list[int]) -> bool:
 
 def test_layout_by_hand():
     """3 candidates: label, level three times; the 2-token head; 3 of the first 3 answer labels, commas between;
-    eos; then anything."""
+    eos; then eos (the filler: a label there would count as written)."""
     state = Rules.start(DecodeRules(ANSWER_IDS, layout=SHAPE), torch.tensor([[BOS, 5, 11, 6, 12, 7, 13]]))
     ban = state.layout_bans(0, 16, 24)[0]
     allowed = [(~b).nonzero().flatten().tolist() for b in ban]
     assert allowed[:6] == [[5], LEVELS, [6], LEVELS, [7], LEVELS]
     assert allowed[6:8] == [[HEAD[0]], [HEAD[1]]]
     assert allowed[8:13] == [ANSWER[:3], [COMMA], ANSWER[:3], [COMMA], ANSWER[:3]]
-    assert allowed[13] == [EOS] and allowed[14] == allowed[15] == list(range(24))
-    assert state.layout_bans(14, 2, 24) is None  # past the eos nothing is ruled
+    assert allowed[13] == allowed[14] == allowed[15] == [EOS]
+    past = state.layout_bans(14, 40, 24)[0]  # past the eos, as far as any response goes
+    assert [(~b).nonzero().flatten().tolist() for b in past] == [[EOS]] * 40
 
 
 def test_every_decoder_writes_the_shape_whatever_the_model():
@@ -114,9 +115,10 @@ def test_blocks_start_with_the_layouts_tokens(trace_models):
             *range(0, 2 * k, 2),
             *range(2 * k, 2 * k + len(HEAD)),
             *range(2 * k + len(HEAD) + 1, end, 2),
-            end,
+            *range(end, L),  # the eos, and eos after it
         }
-        assert {j for j in range(end + 1) if t[j] == GIVEN} == fixed
+        reached = {j for j in range(L) if t[j] != -1}  # (a block after the row's last is never opened)
+        assert {j for j in range(L) if t[j] == GIVEN} == fixed & reached
         assert all(t[j] >= 0 for j in range(end + 1) if j not in fixed)
         assert [row[j] for j in range(0, 2 * k, 2)] == LABELS[:k]
     first_canvas = fed[1]  # after the prefill: block 0's first round, [B, BS]
@@ -125,14 +127,14 @@ def test_blocks_start_with_the_layouts_tokens(trace_models):
 
 def test_cft_never_masks_the_layouts_tokens():
     """CFT's noise (`sample_masks` with `layout_given`) leaves every fixed token of the layout unmasked in both
-    views, up to the first eos, and masks the rest as before."""
+    views (the eos and the eos padding after it too), and masks the rest as before."""
     k = 3
     row = [LABELS[0], LEVELS[1], LABELS[1], LEVELS[0], LABELS[2], LEVELS[2], *HEAD]
     row += [ANSWER[0], COMMA, ANSWER[2], COMMA, ANSWER[1], EOS, EOS, EOS]
     resp = torch.tensor([row])
     given = layout_given(resp, SHAPE.fixed(), EOS)
-    assert given[0].tolist() == [t in (*LABELS, *HEAD, COMMA, EOS) for t in row[:-2]] + [False, False]
-    assert int(given.sum()) == k + len(HEAD) + (k - 1) + 1
+    assert given[0].tolist() == [t in (*LABELS, *HEAD, COMMA, EOS) for t in row]
+    assert int(given.sum()) == k + len(HEAD) + (k - 1) + 3
     batch = Batch(
         torch.cat([torch.tensor([[BOS]]), resp], 1),
         torch.ones(1, 1 + len(row)),

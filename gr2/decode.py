@@ -410,8 +410,8 @@ def layout_commits(d: Decoding, blk: Block) -> None:
     trace label, the answer's head, a separator, its tail, eos: gr2/rules.py `Layout`). Why: the bans would commit them in the first round anyway, but that round would predict every
     score level from a canvas of masks, so the model could find a candidate's evidence by position only. A list
     shorter than N moves every position, and the student, trained mostly on lists of N, then wrote score levels
-    nearly 1 apart from the teacher's (|level difference| 0.84 against 0.07 on lists of N; docs/RESULTS.md, 'The
-    layout's tokens before the first round'). With the label in place, the level after it reads that label's
+    nearly 1 apart from the teacher's (|level difference| 0.84 against 0.07 on lists of N; docs/RESULTS.md, 'Layout
+    tokens before the first round'). With the label in place, the level after it reads that label's
     evidence. Their trajectory is GIVEN; sampling gives them too, so RL trains the decoder that serves, and CFT
     never masks them (gr2/losses.py `layout_given`)."""
     assert d.rules is not None

@@ -92,13 +92,13 @@ def pad_prompts(prompts: list[list[int]], model: torch.nn.Module) -> tuple[torch
     return left_pad(prompts, model_pad_id(model), model_device(model))
 
 
-# pick(logits [B, V]) -> (tokens [B], log-probs [B]): the AR token choice (default: arg-max).
-PickRule = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-# commit_fn(logits [B, C, V], masked [B, C], tau) -> (commit [B, C], tokens [B, C], log-probs [B, C]):
 # A trajectory's value for a token the layout gave before the block's first round (`layout_commits`): every round
 # of its block saw it, and no round chose it (RL's replay shows it and scores nothing there).
 GIVEN = -2
 
+# pick(logits [B, V]) -> (tokens [B], log-probs [B]): the AR token choice (default: arg-max).
+PickRule = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# commit_fn(logits [B, C, V], masked [B, C], tau) -> (commit [B, C], tokens [B, C], log-probs [B, C]):
 # the diffusion commit rule (default: `select_commits`).
 CommitRule = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -119,9 +119,7 @@ class Decoding:
     attn: torch.Tensor = field(init=False)  # [B, P + L]: 1 = a real column
     pos: torch.Tensor = field(init=False)  # [B, P + L]: position ids
     done: torch.Tensor = field(init=False)  # [B]: finished rows
-    traj: torch.Tensor = field(
-        init=False
-    )  # [B, L]: the commit round of each token (-1: never decoded, GIVEN)
+    traj: torch.Tensor = field(init=False)  # [B, L]: each token's commit round (-1: never decoded; GIVEN)
 
     def __post_init__(self) -> None:
         B, dev = self.seq.shape[0], self.seq.device
@@ -407,13 +405,15 @@ def open_block(d: Decoding, s0: int, end: int, first: tuple[torch.Tensor, torch.
 
 def layout_commits(d: Decoding, blk: Block) -> None:
     """Commit, in place and before the block's first round, every open position whose token the layout fixes (a
-    trace label, the answer's head, a separator, its tail, eos: gr2/rules.py `Layout`). Why: the bans would commit them in the first round anyway, but that round would predict every
-    score level from a canvas of masks, so the model could find a candidate's evidence by position only. A list
-    shorter than N moves every position, and the student, trained mostly on lists of N, then wrote score levels
-    nearly 1 apart from the teacher's (|level difference| 0.84 against 0.07 on lists of N; docs/RESULTS.md, 'Layout
-    tokens before the first round'). With the label in place, the level after it reads that label's
-    evidence. Their trajectory is GIVEN; sampling gives them too, so RL trains the decoder that serves, and CFT
-    never masks them (gr2/losses.py `layout_given`)."""
+    trace label, the answer's head, a separator, its tail, eos: gr2/rules.py `Layout`).
+
+    Why: the bans would commit them in the first round anyway, but that round would predict every score level from
+    a canvas of masks, so the model could find a candidate's evidence by position only. A list shorter than N moves
+    every position, and the student, trained mostly on lists of N, then wrote score levels nearly 1 apart from the
+    teacher's (|level difference| 0.84 against 0.07 on lists of N; docs/RESULTS.md, 'Layout tokens before the
+    first round'). With the label in place, the level after it reads that label's evidence. Their trajectory is
+    GIVEN; sampling gives them too, so RL trains the decoder that serves, and CFT never masks them (gr2/losses.py
+    `layout_given`)."""
     assert d.rules is not None
     fixed = d.rules.fixed_tokens(blk.s0, blk.tokens.shape[1])
     if fixed is None:

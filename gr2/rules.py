@@ -67,7 +67,7 @@ class Layout:
         """[M, vocab] bool, the tokens allowed by each kind of position (`kinds` indexes it): 0 any, 1 a level,
         1 + n the first n answer labels (n = 1..K), then one row per fixed token: labels, head, sep, tail."""
         K, dev = len(self.labels), unique.device
-        fixed = torch.cat([self.labels, self.head, torch.tensor([self.sep]), self.tail]).to(dev)
+        fixed = self.fixed().to(dev)
         t = torch.zeros(2 + K + len(fixed), vocab, dtype=torch.bool, device=dev)
         t[0] = True
         if self.levels is not None:

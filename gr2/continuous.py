@@ -222,7 +222,13 @@ class Stream:
         self.keys, self.nfe, self.s0 = keys, [0.0] * len(keys), 0
         self.offset = torch.zeros(len(keys), dtype=torch.long, device=ids.device)
         if cfg.block_size > 0:
-            self.rounds = CachedLogits(self.model, self.d, cfg.block_size, row_subsets=True)
+            self.rounds = CachedLogits(
+                self.model,
+                self.d,
+                cfg.block_size,
+                row_subsets=True,
+                fold_prompt=False,  # joins merge into its cache
+            )
             self.nfe = [1 / len(keys)] * len(keys)  # the prefill (counted in d.nfe)
         else:
             self.cache = DynamicCache()
@@ -301,6 +307,7 @@ class Stream:
         for layer in self.layers():
             layer.keys, layer.values = layer.keys[rows], layer.values[rows]
         if self.rounds is not None:
+            assert self.rounds.anchor is not None  # (the stream prefills its prompts: `begin`)
             self.rounds.anchor = self.rounds.anchor[rows]
         self.remask()
 
@@ -317,6 +324,7 @@ class Stream:
             layer.values = torch.cat([layer.values, add.values])
         if self.rounds is not None:  # (the new rows' anchor comes from the next block's first forward)
             a = self.rounds.anchor
+            assert a is not None
             self.rounds.anchor = torch.cat([a, a.new_zeros(len(new.seq), *a.shape[1:])])
 
     def pad_left(self, n: int) -> None:

@@ -18,7 +18,12 @@ of gr2/decode_reference.py, which the tests hold the fast ones to. Spec's verifi
 nfe = number of model forward calls for the whole batch, prefill included. For AR generating L tokens that is
 exactly L (the prefill yields the first token). Block diffusion, per block: one forward per commit round,
 except a round where only the block's first position is still masked: its logits come from the last clean
-token before the block and do not depend on the canvas, so it is committed without a forward.
+token before the block and do not depend on the canvas, so it is committed without a forward. Block diffusion
+has no prefill of its own: the prompt is fed with the first block's first round, as a finished block is fed
+with the next (below), under its causal rows of the training mask. A prompt column never attends to the
+canvas, so its KV and the anchor are what a prefill computes; the forward it saves was a quarter of a
+Beauty list's forwards at batch 1 (docs/RESULTS.md, 'The prompt in the first round'). spec's verifier feeds
+it with its first verification the same way.
 
 The finished block's KV. Later blocks must see a finished block as a forward over its final tokens computes it:
 that is what training shows them (gr2/losses.py: clean blocks before the noisy one). The block's last round
@@ -28,8 +33,8 @@ which predict the next block's first token) saw those masks. So the finished blo
 the next block's first round (Fast-dLLM v2): input [finished block, canvas] under the block-causal mask, the
 finished block's KV kept, the canvas KV dropped (`DynamicCache.crop`). That costs block_size more tokens in one
 forward per block and no extra forward: block_size = 1 diffusion is AR exactly, nfe included (without a layout
-rule: a block the layout fixes needs no round, `layout_commits`), and nfe = 1 + n_blocks when every block commits
-in one round.
+rule: a block the layout fixes needs no round, `layout_commits`), and nfe = n_blocks when every block commits in
+one round.
 
 Rules. `unique` (tokens written at most once per row) and `follow` (the answer follows the trace) are
 gr2/rules.py's; every decoder applies both, and the equivalences hold with them. A greedy diffusion round ends
@@ -503,13 +508,21 @@ class _RowsCache:
 
 class BlockCache:
     """A model's KV cache of the prompt and the finished blocks (the module docstring's finished block's KV), for
-    forwards over the open block: a block's first forward also feeds the finished blocks not yet stored, and
-    every forward's block KV is dropped again."""
+    forwards over the open block: a block's first forward also feeds the columns not yet stored (the finished
+    blocks, and first of all the prompt), and every forward's block KV is dropped again.
 
-    def __init__(self, model: torch.nn.Module, d: Decoding):
+    fold_prompt: the prompt is fed with the first block's first forward, not by a forward of its own (the module
+    docstring's nfe). Else it is prefilled now, and `logits` holds the prompts' last column: a stream
+    (gr2/continuous.py) merges joining rows into a cache that must already hold its rows' prompts."""
+
+    def __init__(self, model: torch.nn.Module, d: Decoding, fold_prompt: bool):
         self.model = model
-        self.cache, self.logits = prefill(model, d)  # logits [B, V]: the prompts' last column
-        self.stored = 0  # response columns in the cache: the finished blocks fed so far
+        self.logits: torch.Tensor | None
+        self.cache, self.logits = DynamicCache(), None  # logits [B, V]: the prompts' last column
+        if not fold_prompt:
+            self.cache, self.logits = prefill(model, d)
+        # The response columns in the cache (the finished blocks fed so far); negative: prompt columns to feed.
+        self.stored = -d.P if fold_prompt else 0
 
     def forward(self, d: Decoding, blk: Block, mask: torch.Tensor) -> torch.Tensor:
         """The logits of the open block's columns, and first of the last finished column when this forward
@@ -538,9 +551,12 @@ class CachedLogits:
     rows with an open position past position 0 (`_RowsCache`). Rows are independent, so their logits are the same
     (up to the rounding of a smaller matrix product), and the tokens are."""
 
-    def __init__(self, model: torch.nn.Module, d: Decoding, block_size: int, row_subsets: bool):
-        self.kv, self.row_subsets = BlockCache(model, d), row_subsets
-        self.anchor = self.kv.logits
+    def __init__(
+        self, model: torch.nn.Module, d: Decoding, block_size: int, *, row_subsets: bool, fold_prompt: bool
+    ):
+        self.kv, self.row_subsets = BlockCache(model, d, fold_prompt), row_subsets
+        self.anchor = self.kv.logits  # [B, V]; None until the first forward when the prompt is folded into it
+        self.block_size = block_size
         # Every response row's attention over prompt + response, built once; each block's masks are slices of it.
         cols = torch.arange(d.P, d.P + d.L, device=d.seq.device)
         self.rows = attention_rows(d.P, cols, d.P + d.L, block_size, d.pad_lens)
@@ -554,12 +570,15 @@ class CachedLogits:
             self.s0, self.part = s0, None
             self.canvas_mask = self.rows[:, :, s0:end, : P + end].contiguous()
         stored = self.kv.stored
-        if (
-            stored < s0
-        ):  # the block's first forward also feeds the finished blocks: column 0 is the new anchor
-            logits = self.kv.forward(d, blk, self.rows[:, :, stored:end, : P + end].contiguous())
+        if stored < s0:  # the block's first forward also feeds what is not stored: column 0 is the new anchor
+            mask = self.rows[:, :, max(stored, 0) : end, : P + end]
+            if stored < 0:  # the prompt too, under the training mask's causal prompt rows
+                prompt = torch.arange(P, device=d.seq.device)
+                mask = torch.cat([attention_rows(P, prompt, P + end, self.block_size, d.pad_lens), mask], 2)
+            logits = self.kv.forward(d, blk, mask.contiguous())
             self.anchor = logits[:, 0]
             return logits[:, :-1]  # already token-shifted: column j predicts position j
+        assert self.anchor is not None  # (a forward of this decode set it)
         todo = (~blk.committed[:, 1:]).any(-1)  # rows open past position 0
         n_todo = int(todo.sum())
         if n_todo == 0:  # only position 0 open: its logits (the anchor) ignore the canvas
@@ -591,8 +610,8 @@ def diffusion_generate(
 ) -> tuple[torch.Tensor, int, torch.Tensor]:
     """Block-diffusion decoding with threshold commits (greedy by default). Returns (tokens, nfe, trajectory).
 
-    `block_loop` with `CachedLogits` (row subsets on): the prompt is prefilled once into a DynamicCache; each
-    finished block is added to it by the next block's first forward (module docstring). Each round commits per
+    `block_loop` with `CachedLogits` (row subsets on): the first block's first forward feeds the prompt into a
+    DynamicCache, and each finished block is added to it by the next block's first forward (module docstring). Each round commits per
     `select_commits` at tau (or `commit_fn`).
 
     trajectory [B, max_new_tokens]: the commit round (0-based, counted over the whole call and shared by the
@@ -607,7 +626,7 @@ def diffusion_generate(
     """
     d = start(model, prompts, max_new_tokens, mask_id, eos_id, rules)
     d.logprobs = check_logprobs(logprobs, commit_fn, d)
-    rounds = CachedLogits(model, d, block_size, row_subsets=True)
+    rounds = CachedLogits(model, d, block_size, row_subsets=True, fold_prompt=True)
     block_loop(d, block_size, Commit(tau, commit_fn, eos_id), rounds)
     return d.resp.clone(), d.nfe, d.traj
 
@@ -631,16 +650,11 @@ class Verification:
     logits tie to ~1e-6.) Like the draft, the verifier stores a finished block with its first forward of the next."""
 
     def __init__(self, verifier: torch.nn.Module, d: Decoding):
-        self.kv = BlockCache(verifier, d)
-        self.n = 1  # verifier forwards, the prefill included
+        self.kv = BlockCache(verifier, d, fold_prompt=True)  # the first verification feeds the prompt
+        self.n = 0  # verifier forwards
         # The verifier's token for the next block's first position, and the rows where it is exact: the
-        # verifier read all their tokens before it.
-        first = (
-            self.kv.logits
-            if d.rules is None
-            else d.rules.causal_logits(self.kv.logits[:, None], d.resp, 0)[:, 0]
-        )
-        self.first = (first.argmax(-1), torch.ones_like(d.done))
+        # verifier read all their tokens before it. None yet: the first block's draft writes its own.
+        self.first = (d.resp[:, 0].clone(), torch.zeros_like(d.done))
 
     def __call__(self, d: Decoding, blk: Block) -> None:
         tokens, cl = blk.tokens, blk.tokens.shape[1]
@@ -705,13 +719,13 @@ def spec_generate(
 
     `block_loop` with the `draft`'s `CachedLogits` (greedy threshold-commit rounds at tau, blocks aligned as in
     `diffusion_generate`) and the `verifier`'s `Verification` as the hook. Returns (tokens [B, max_new_tokens],
-    nfe = draft plus verifier forwards, prefills included, verifier forwards).
+    nfe = draft plus verifier forwards, verifier forwards). Neither has a prefill of its own (module docstring).
 
     rules (gr2/rules.py): the draft and the verifier's arg-max both obey them, so the output is
     `ar_generate(..., rules=rules)`'s.
     """
     d = start(verifier, prompts, max_new_tokens, mask_id, eos_id, rules)
-    drafts = CachedLogits(draft, d, block_size, row_subsets=False)
+    drafts = CachedLogits(draft, d, block_size, row_subsets=False, fold_prompt=True)
     verify = Verification(verifier, d)
     block_loop(d, block_size, Commit(tau), drafts, verify)
     return d.resp.clone(), d.nfe, verify.n

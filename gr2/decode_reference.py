@@ -5,7 +5,7 @@ They run the fast decoders' own loops (`ar_loop`, `block_loop`) with a different
 re-reads the whole sequence, so no cache, anchor or stored block can be wrong here. The block reference also
 reads the trace rule's slots afresh before and after every round (`FreshRules`), where the fast loop reads them
 once per block when they cannot change. Same arguments, tokens and trajectory as their fast twins; nfe is one
-forward per step or round (block diffusion: no prefill, and no round is skipped).
+forward per step or round (block diffusion: no round is skipped).
 """
 
 from __future__ import annotations

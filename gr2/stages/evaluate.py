@@ -222,7 +222,7 @@ def speed_table(
             row["ideal_speedup"] = tokens_per_forward / (
                 tokens[base] / len(prompts) / (nfe[base] / len(chunks))
             )
-            if verify[i]:  # spec: tokens kept per verifier forward (prefill included), the acceptance length
+            if verify[i]:  # spec: tokens kept per verifier forward, the acceptance length
                 row["tokens_per_verify"] = tokens[i] / len(prompts) / (verify[i] / len(chunks))
             speed.append(row)
     return speed

@@ -75,7 +75,7 @@ def test_diffusion_cache_equals_no_cache(models, bs, tau):
     a, n1, t1 = diffusion_generate(diff, prompts(), L, bs, tau, MASK, EOS)
     b, n2, t2 = diffusion_generate_nocache(diff, prompts(), L, bs, tau, MASK, EOS)
     assert torch.equal(a, b) and torch.equal(t1, t2)
-    assert n1 <= n2 + 1  # cache: skips canvas-independent rounds, adds only the prefill
+    assert n1 <= n2  # cache: skips canvas-independent rounds, and feeds the prompt with the first round
 
 
 def test_nfe_counts_every_forward(models):
@@ -92,11 +92,12 @@ def test_nfe_counts_every_forward(models):
 
 
 def test_nfe_one_round_per_block(models):
-    """tau = 0 commits a whole block per round: prefill + one forward per block (no separate store passes)."""
+    """tau = 0 commits a whole block per round: one forward per block (no prefill of its own: the prompt is fed
+    with the first block; no separate store passes)."""
     _, diff = models
     for L, bs in [(16, 4), (15, 4), (9, 3)]:
         _, nfe, traj = diffusion_generate(diff, prompts(), L, bs, 0.0, MASK, eos_id=None)
-        assert nfe == 1 + -(-L // bs)
+        assert nfe == -(-L // bs)
         assert torch.equal(traj, (torch.arange(L) // bs).expand_as(traj))
 
 
@@ -232,7 +233,8 @@ def test_spec_mends_a_swap_of_two_labels_in_one_more_verification(trace_models):
     """The draft writes the verifier's response with its first two answer labels swapped. The first verification
     corrects the first label; its arg-max at the second label's place (the label now at the first is banned there,
     as the draft's prefix wrote it) repeats the corrected one, so the label it displaced takes that place instead:
-    the second verification keeps the whole response. One block, so: the prefill and two verifications."""
+    the second verification keeps the whole response. One block, so two verifications (the first feeds the prompt
+    too)."""
     ar, diff = trace_models
     items = trace_items(6, 3)
     swapped = []
@@ -249,7 +251,7 @@ def test_spec_mends_a_swap_of_two_labels_in_one_more_verification(trace_models):
     ]
     got, _, n_verify = spec_generate(draft, verifier, ps, 24, 24, 0.5, MASK, EOS, **kw)
     assert torch.equal(got, want)
-    assert n_verify == 3
+    assert n_verify == 2
 
 
 def test_spec_counts_forwards(models):

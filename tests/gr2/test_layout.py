@@ -121,8 +121,9 @@ def test_blocks_start_with_the_layouts_tokens(trace_models):
         assert {j for j in range(L) if t[j] == GIVEN} == fixed & reached
         assert all(t[j] >= 0 for j in range(end + 1) if j not in fixed)
         assert [row[j] for j in range(0, 2 * k, 2)] == LABELS[:k]
-    first_canvas = fed[1]  # after the prefill: block 0's first round, [B, BS]
-    assert torch.equal(first_canvas[:, 0], torch.tensor([LABELS[0]] * len(ps)))
+    first = fed[0]  # block 0's first round, the prompt fed with it: [B, P + BS]
+    P = first.shape[1] - BS
+    assert torch.equal(first[:, P], torch.tensor([LABELS[0]] * len(ps)))
 
 
 def test_cft_never_masks_the_layouts_tokens():

@@ -13,9 +13,10 @@ its prompt are its left padding. Blocks stay aligned (s0 is a multiple of block_
 each row's first real token; and the mask is the training mask with each row's own response start
 (`attention_rows` takes per-row starts), so a row sees what it sees alone. A diffusion decode feeds the running
 rows' last finished block with the next block's first forward (gr2/decode.py): a joining row's prompt tail sits
-in those columns, is fed with them under its causal mask, and its prefill covers the columns before. A row's
-columns past its own max_new_tokens are hidden from it and count as decoded. The rules take the offsets
-(gr2/rules.py `Rules.offset`).
+in those columns, is fed with them under its causal mask, and its prefill covers the columns before. The rows a
+diffusion decode begins with need no prefill: their prompts are fed with the first block's first forward, as
+decoding alone feeds them. A row's columns past its own max_new_tokens are hidden from it and count as decoded.
+The rules take the offsets (gr2/rules.py `Rules.offset`).
 
 The buffer does not grow without end: once every row's response starts past column 0, the response start moves to
 the earliest one, and the columns that are padding in every row are dropped.
@@ -207,6 +208,8 @@ class Stream:
             return
         if self.d is not None and self.steps_left() <= self.cfg.join_wait:
             return  # the running decode is about to end: start with the next one instead of paying a prefill
+        if self.rounds is not None and self.rounds.kv.stored < 0:
+            return  # the running rows' prompts are not in the cache yet (no forward so far): nothing to join
         batch, self.queue = self.queue[:room], self.queue[room:]
         keys, prompts = [k for k, _ in batch], [p for _, p in batch]
         if self.d is None:
@@ -222,14 +225,8 @@ class Stream:
         self.keys, self.nfe, self.s0 = keys, [0.0] * len(keys), 0
         self.offset = torch.zeros(len(keys), dtype=torch.long, device=ids.device)
         if cfg.block_size > 0:
-            self.rounds = CachedLogits(
-                self.model,
-                self.d,
-                cfg.block_size,
-                row_subsets=True,
-                fold_prompt=False,  # joins merge into its cache
-            )
-            self.nfe = [1 / len(keys)] * len(keys)  # the prefill (counted in d.nfe)
+            # The prompts are fed with the first block's first forward, as decoding alone feeds them.
+            self.rounds = CachedLogits(self.model, self.d, cfg.block_size, row_subsets=True, fold_prompt=True)
         else:
             self.cache = DynamicCache()
 
@@ -306,8 +303,7 @@ class Stream:
         self.offset = self.offset[rows]
         for layer in self.layers():
             layer.keys, layer.values = layer.keys[rows], layer.values[rows]
-        if self.rounds is not None:
-            assert self.rounds.anchor is not None  # (the stream prefills its prompts: `begin`)
+        if self.rounds is not None and self.rounds.anchor is not None:  # (None: no forward yet)
             self.rounds.anchor = self.rounds.anchor[rows]
         self.remask()
 
@@ -324,7 +320,7 @@ class Stream:
             layer.values = torch.cat([layer.values, add.values])
         if self.rounds is not None:  # (the new rows' anchor comes from the next block's first forward)
             a = self.rounds.anchor
-            assert a is not None
+            assert a is not None  # (`admit` joins only once the running rows' prompts are stored)
             self.rounds.anchor = torch.cat([a, a.new_zeros(len(new.seq), *a.shape[1:])])
 
     def pad_left(self, n: int) -> None:

@@ -21,9 +21,9 @@ except a round where only the block's first position is still masked: its logits
 token before the block and do not depend on the canvas, so it is committed without a forward. Block diffusion
 has no prefill of its own: the prompt is fed with the first block's first round, as a finished block is fed
 with the next (below), under its causal rows of the training mask. A prompt column never attends to the
-canvas, so its KV and the anchor are what a prefill computes; the forward it saves was a quarter of a
-Beauty list's forwards at batch 1 (docs/RESULTS.md, 'The prompt in the first round'). spec's verifier feeds
-it with its first verification the same way.
+canvas, so its KV and the anchor are what a prefill computes; the forward it saves was one in five of a
+Beauty list's at batch 1 (docs/RESULTS.md, 'The prompt in the first round'). spec's verifier feeds it with
+its first verification the same way.
 
 The finished block's KV. Later blocks must see a finished block as a forward over its final tokens computes it:
 that is what training shows them (gr2/losses.py: clean blocks before the noisy one). The block's last round
@@ -611,8 +611,8 @@ def diffusion_generate(
     """Block-diffusion decoding with threshold commits (greedy by default). Returns (tokens, nfe, trajectory).
 
     `block_loop` with `CachedLogits` (row subsets on): the first block's first forward feeds the prompt into a
-    DynamicCache, and each finished block is added to it by the next block's first forward (module docstring). Each round commits per
-    `select_commits` at tau (or `commit_fn`).
+    DynamicCache, and each finished block is added to it by the next block's first forward (module docstring).
+    Each round commits per `select_commits` at tau (or `commit_fn`).
 
     trajectory [B, max_new_tokens]: the commit round (0-based, counted over the whole call and shared by the
     batch) at which each token was committed; -1 = eos filler written after the row finished; GIVEN = a token the

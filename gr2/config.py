@@ -216,7 +216,8 @@ class EvalConfig:
     threads: int = 2  # torch threads while timing (the same for every decoder)
     # Every speed plan runs this many times, interleaved (AR, then each diffusion plan, then again); a row's
     # speedup is the geometric mean over the repeats with a 95% interval, whose lower bound the gate reads (more
-    # repeats, a narrower interval; docs/RESULTS.md, 'Timing noise and speed repeats', has the widths).
+    # repeats, a narrower interval; docs/RESULTS.md, 'Timing noise, speed repeats, and where the time goes', has
+    # the widths).
     speed_repeats: int = 10
     # The report's table by list length: the test lists cut to each length (keeping the held-out item), decoded
     # by `ar` and the deployed student (gr2/stages/evaluate.py `length_rows`); the full length N reuses the main

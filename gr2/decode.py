@@ -517,12 +517,13 @@ class BlockCache:
 
     def __init__(self, model: torch.nn.Module, d: Decoding, fold_prompt: bool):
         self.model = model
+        # stored: the response columns in the cache (the finished blocks fed so far); negative: prompt columns
+        # still to feed. logits [B, V]: the prompts' last column, once a prefill has run.
         self.logits: torch.Tensor | None
-        self.cache, self.logits = DynamicCache(), None  # logits [B, V]: the prompts' last column
-        if not fold_prompt:
-            self.cache, self.logits = prefill(model, d)
-        # The response columns in the cache (the finished blocks fed so far); negative: prompt columns to feed.
-        self.stored = -d.P if fold_prompt else 0
+        if fold_prompt:
+            self.cache, self.logits, self.stored = DynamicCache(), None, -d.P
+        else:
+            (self.cache, self.logits), self.stored = prefill(model, d), 0
 
     def forward(self, d: Decoding, blk: Block, mask: torch.Tensor) -> torch.Tensor:
         """The logits of the open block's columns, and first of the last finished column when this forward

@@ -402,8 +402,9 @@ class GenerativeReranker:
     ) -> tuple[torch.Tensor, int, int]:
         """One decode call -> (tokens, nfe, verifier nfe). `decode` runs it under torch.inference_mode: no
         autograd version tracking per op, a share of every small op's cost at batch 1 (docs/RESULTS.md, 'Timing
-        noise, speed repeats, and where the time goes'). Only evaluation and serving decode here; RL and OPD, which train on what they
-        decode, call the decoders directly (an inference-mode tensor cannot be saved for backward)."""
+        noise, speed repeats, and where the time goes'). Only evaluation and serving decode here; RL and OPD,
+        which train on what they decode, call the decoders directly (an inference-mode tensor cannot be saved
+        for backward)."""
         eos, L, rules = self.tokenizer.eos_token_id, self.max_new_tokens, self.rules
         if decoder == "ar":
             toks, n = ar_generate(self.model, chunk, L, eos, rules=rules)

@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 
 from analysis.compare_models import main as compare_models
+from analysis.feature_rankers import main as feature_rankers
 from analysis.pad_vs_group import main as pad_vs_group
 from analysis.rounds_check import main as rounds_check
 from analysis.stream_check import main as stream_check
@@ -199,6 +200,14 @@ def test_local_run_writes_report(tmp_path):
     assert (r1["teacher"], r1["ltr"]) == pytest.approx(
         (rows[("teacher", None)]["recall@1"], rows[("ltr", None)]["recall@1"])
     )
+    # and analysis/feature_rankers.py scores them alike; each row's difference from ltr is its own minus ltr's
+    fr = feature_rankers(["--run", str(tmp_path / "smoke"), "--split", "test"])
+    got = {k: v["recall@1"] for k, v in fr["rankers"].items()}
+    assert (got["teacher"]["value"], got["ltr"]["value"]) == pytest.approx((r1["teacher"], r1["ltr"]))
+    assert set(got) == {"ltr", "teacher", "teacher_raw", "ltr+teacher", "ltr+teacher_raw"}
+    for row in got.values():
+        assert row["minus_ltr"] == pytest.approx(row["value"] - got["ltr"]["value"])
+        assert row["ci95"][0] <= row["minus_ltr"] <= row["ci95"][1]
 
 
 def test_failed_validation_stops_the_pipeline(tmp_path):

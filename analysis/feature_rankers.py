@@ -1,0 +1,145 @@
+"""How far the evidence features go on their own: the run's feature-only rankers, and blends of them, against `ltr`.
+
+Issue 40 asks for a generative re-ranker that beats the best feature-only ranker. A blend of feature rankers that
+beats `ltr` would raise that bar, so this measures the candidates on one split (validation: the choice is made
+there, never on test):
+
+    python -m analysis.feature_rankers --run runs/latest --split val --out benchmarks/<dataset>_feature_rankers_val.json
+
+- `ltr`: the GBDT the evaluate-floor step fitted (raw evidence plus list context; its grid chosen on validation);
+- `teacher`: the reasoning teacher prepare-sft fitted, the trace's source (a conditional logit on the prompt's
+  evidence buckets);
+- `teacher_raw`: the same conditional logit fitted here on the raw evidence of the run's training lists;
+- `ltr+teacher`, `ltr+teacher_raw`: w * ltr + (1 - w) * the other, each score standardised within its list. w is
+  chosen on one half of the lists and scored on the other (both ways), so the blend's figure is out of sample.
+
+Each row: R@1 and NDCG@5, and its paired difference from `ltr` with the bootstrap CI of the run's profile
+(`gr2.metrics.evaluate`, ltr in the place of the floor, as `analysis.compare_models` does). Prints (and with --out
+writes) JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.compare_models import run_folder
+from analysis.output import print_json
+from analysis.speed_check import split_lists
+from components._lib.paths import repo_relative
+from components._lib.steps import LTR_DIR
+from gr2.evidence import Evidence
+from gr2.ltr import LTRModel, rankings_from_scores
+from gr2.metrics import evaluate
+from gr2.report import git_sha
+from gr2.stages.prepare import list_features
+from gr2.teacher import Teacher, fit_teacher
+
+WEIGHTS = np.linspace(0.0, 1.0, 21)  # the blend weights tried on each half
+
+
+def standardise(scores: np.ndarray) -> np.ndarray:
+    """[L, N] scores -> each list's scores with mean 0 and std 1 (a constant list: all 0)."""
+    centred = scores - scores.mean(axis=1, keepdims=True)
+    std = scores.std(axis=1, keepdims=True)
+    return np.divide(centred, std, out=np.zeros_like(centred), where=std > 0)
+
+
+def top1_hits(scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """[L] 1.0 where the best-scored candidate (ties: retriever order) is the held-out item."""
+    return (np.argsort(-scores, axis=1, kind="stable")[:, 0] == labels).astype(float)
+
+
+def cross_fitted_blend(
+    a: np.ndarray, b: np.ndarray, labels: np.ndarray, seed: int
+) -> tuple[np.ndarray, list[float]]:
+    """Scores of w * a + (1 - w) * b (both standardised per list), where each half of the lists gets the w that
+    scored best (R@1; ties: the w nearer 0.5) on the other half. Returns the scores and the two weights."""
+    za, zb = standardise(a), standardise(b)
+    half = np.random.default_rng(seed).permutation(len(labels)) < len(labels) // 2
+    out, chosen = np.zeros_like(za), []
+    for fit_on in (half, ~half):
+
+        def score(w: float, rows: np.ndarray = fit_on) -> tuple[float, float]:
+            return float(top1_hits(w * za[rows] + (1 - w) * zb[rows], labels[rows]).mean()), -abs(w - 0.5)
+
+        w = float(max(WEIGHTS, key=score))
+        chosen.append(round(w, 2))
+        out[~fit_on] = w * za[~fit_on] + (1 - w) * zb[~fit_on]
+    return out, chosen
+
+
+def feature_scores(run: Path, df: pd.DataFrame) -> dict[str, np.ndarray]:
+    """[L, N] scores of each feature-only ranker on df's lists (module docstring), on prepare-sft's evidence."""
+    profile, train = split_lists(run, "train")
+    sft = run_folder(run, "kfp/*/prepare-sft/sft_data")
+    evidence = Evidence.load(sft / "evidence")
+    x, x_train = list_features(evidence, df), list_features(evidence, train)
+    raw = fit_teacher(
+        x_train,
+        train["label"].to_numpy(),
+        evidence.feature_names,
+        dataclasses.replace(profile.teacher, inputs="raw"),
+        profile.prompt.score_levels,
+        profile.seed,
+    )
+    ltr = LTRModel.load(run_folder(run, f"kfp/*/evaluate-floor/report/{LTR_DIR}"))
+    return {
+        "ltr": np.log(np.clip(ltr.scores(x), 1e-12, 1.0)),  # log odds order = probability order
+        "teacher": Teacher.load(sft / "teacher.json").scores(x),
+        "teacher_raw": raw.scores(x),
+    }
+
+
+def compare(run: Path, split: str) -> dict:
+    profile, df = split_lists(run, split)
+    labels = df["label"].to_numpy()
+    scores = feature_scores(run, df)
+    weights = {}
+    for other in ("teacher", "teacher_raw"):
+        scores[f"ltr+{other}"], weights[f"ltr+{other}"] = cross_fitted_blend(
+            scores["ltr"], scores[other], labels, profile.seed
+        )
+    ltr = rankings_from_scores(scores["ltr"])
+    rows = {}
+    for name, s in scores.items():
+        row = evaluate(
+            df,
+            rankings_from_scores(s),
+            floor_rankings=ltr,
+            n_boot=profile.bootstrap_samples,
+            seed=profile.seed,
+        )
+        rows[name] = {
+            m: {"value": row[m], "minus_ltr": row["delta_vs_floor_mean"][m], "ci95": row["delta_vs_floor"][m]}
+            for m in ("recall@1", "ndcg@5")
+        }
+    return {
+        "command": "python -m analysis.feature_rankers " + " ".join(sys.argv[1:]),
+        "git_sha": git_sha(),
+        "run": repo_relative(str(Path(run).resolve())),
+        "split": split,
+        "n": len(df),
+        "blend_weights_of_ltr": weights,
+        "rankers": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", default="runs/latest", help="a run directory (make run / make bench)")
+    ap.add_argument("--split", default="val", choices=["val", "test"])
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args(argv)
+    res = compare(Path(args.run).resolve(), args.split)
+    print_json(res, args.out)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -30,15 +30,16 @@ import pandas as pd
 
 from analysis.compare_models import run_folder
 from analysis.output import print_json
-from analysis.speed_check import split_lists
 from components._lib.paths import repo_relative
 from components._lib.steps import LTR_DIR
+from gr2.config import Profile
 from gr2.evidence import Evidence
 from gr2.ltr import LTRModel, rankings_from_scores
 from gr2.metrics import evaluate
 from gr2.report import git_sha
 from gr2.stages.prepare import list_features
 from gr2.teacher import Teacher, fit_teacher
+from pipelines.run_local import run_examples, run_profile
 
 WEIGHTS = np.linspace(0.0, 1.0, 21)  # the blend weights tried on each half
 
@@ -74,9 +75,11 @@ def cross_fitted_blend(
     return out, chosen
 
 
-def feature_scores(run: Path, df: pd.DataFrame) -> dict[str, np.ndarray]:
-    """[L, N] scores of each feature-only ranker on df's lists (module docstring), on prepare-sft's evidence."""
-    profile, train = split_lists(run, "train")
+def feature_scores(
+    run: Path, profile: Profile, train: pd.DataFrame, df: pd.DataFrame
+) -> dict[str, np.ndarray]:
+    """[L, N] scores of each feature-only ranker on df's lists (module docstring), on prepare-sft's evidence; the
+    raw-evidence logit is fitted on the `train` lists."""
     sft = run_folder(run, "kfp/*/prepare-sft/sft_data")
     evidence = Evidence.load(sft / "evidence")
     x, x_train = list_features(evidence, df), list_features(evidence, train)
@@ -90,16 +93,21 @@ def feature_scores(run: Path, df: pd.DataFrame) -> dict[str, np.ndarray]:
     )
     ltr = LTRModel.load(run_folder(run, f"kfp/*/evaluate-floor/report/{LTR_DIR}"))
     return {
-        "ltr": np.log(np.clip(ltr.scores(x), 1e-12, 1.0)),  # log odds order = probability order
+        "ltr": np.log(
+            np.clip(ltr.scores(x), 1e-12, 1.0)
+        ),  # log: the probability's order, a scale to standardise
         "teacher": Teacher.load(sft / "teacher.json").scores(x),
         "teacher_raw": raw.scores(x),
     }
 
 
 def compare(run: Path, split: str) -> dict:
-    profile, df = split_lists(run, split)
+    profile, examples = run_profile(run), run_examples(run)
+    df, train = (examples[examples["split"] == s].reset_index(drop=True) for s in (split, "train"))
+    if df.empty or train.empty:
+        raise SystemExit(f"no examples in split {split!r} or in train")
     labels = df["label"].to_numpy()
-    scores = feature_scores(run, df)
+    scores = feature_scores(run, profile, train, df)
     weights = {}
     for other in ("teacher", "teacher_raw"):
         scores[f"ltr+{other}"], weights[f"ltr+{other}"] = cross_fitted_blend(

@@ -226,7 +226,7 @@ class Stream:
         self.offset = torch.zeros(len(keys), dtype=torch.long, device=ids.device)
         if cfg.block_size > 0:
             # The prompts are fed with the first block's first forward, as decoding alone feeds them.
-            self.rounds = CachedLogits(self.model, self.d, cfg.block_size, row_subsets=True, fold_prompt=True)
+            self.rounds = CachedLogits(self.model, self.d, cfg.block_size, row_subsets=True)
         else:
             self.cache = DynamicCache()
 

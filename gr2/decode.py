@@ -170,22 +170,6 @@ def check_logprobs(logprobs: torch.Tensor | None, rule: Callable | None, d: Deco
     return logprobs.zero_()
 
 
-def prefill(model: torch.nn.Module, d: Decoding) -> tuple[DynamicCache, torch.Tensor]:
-    """Feed the prompts into a new cache; returns it and the logits [B, V] of the prompts' last column (they
-    predict the first response token)."""
-    cache = DynamicCache()
-    logits = model(
-        input_ids=d.seq[:, : d.P],
-        attention_mask=d.attn[:, : d.P],
-        position_ids=d.pos[:, : d.P],
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits[:, -1]
-    d.nfe += 1
-    return cache, logits
-
-
 # ---------------------------------------------------------------------------------------------- AR
 # step(d, t) -> the logits [B, V] that predict response position t (one forward).
 ARStep = Callable[[Decoding, int], torch.Tensor]
@@ -509,21 +493,13 @@ class _RowsCache:
 class BlockCache:
     """A model's KV cache of the prompt and the finished blocks (the module docstring's finished block's KV), for
     forwards over the open block: a block's first forward also feeds the columns not yet stored (the finished
-    blocks, and first of all the prompt), and every forward's block KV is dropped again.
+    blocks, and first of all the prompt: it has no forward of its own, the module docstring's nfe), and every
+    forward's block KV is dropped again."""
 
-    fold_prompt: the prompt is fed with the first block's first forward, not by a forward of its own (the module
-    docstring's nfe). Else it is prefilled now, and `logits` holds the prompts' last column: a stream
-    (gr2/continuous.py) merges joining rows into a cache that must already hold its rows' prompts."""
-
-    def __init__(self, model: torch.nn.Module, d: Decoding, fold_prompt: bool):
-        self.model = model
-        # stored: the response columns in the cache (the finished blocks fed so far); negative: prompt columns
-        # still to feed. logits [B, V]: the prompts' last column, once a prefill has run.
-        self.logits: torch.Tensor | None
-        if fold_prompt:
-            self.cache, self.logits, self.stored = DynamicCache(), None, -d.P
-        else:
-            (self.cache, self.logits), self.stored = prefill(model, d), 0
+    def __init__(self, model: torch.nn.Module, d: Decoding):
+        self.model, self.cache = model, DynamicCache()
+        # the response columns in the cache (the finished blocks fed so far); negative: prompt columns still to feed
+        self.stored = -d.P
 
     def forward(self, d: Decoding, blk: Block, mask: torch.Tensor) -> torch.Tensor:
         """The logits of the open block's columns, and first of the last finished column when this forward
@@ -552,11 +528,11 @@ class CachedLogits:
     rows with an open position past position 0 (`_RowsCache`). Rows are independent, so their logits are the same
     (up to the rounding of a smaller matrix product), and the tokens are."""
 
-    def __init__(
-        self, model: torch.nn.Module, d: Decoding, block_size: int, *, row_subsets: bool, fold_prompt: bool
-    ):
-        self.kv, self.row_subsets = BlockCache(model, d, fold_prompt), row_subsets
-        self.anchor = self.kv.logits  # [B, V]; None until the first forward when the prompt is folded into it
+    def __init__(self, model: torch.nn.Module, d: Decoding, block_size: int, *, row_subsets: bool):
+        self.kv, self.row_subsets = BlockCache(model, d), row_subsets
+        self.anchor: torch.Tensor | None = (
+            None  # [B, V]: set by each block's first forward (the prompt's, first)
+        )
         self.block_size = block_size
         # Every response row's attention over prompt + response, built once; each block's masks are slices of it.
         cols = torch.arange(d.P, d.P + d.L, device=d.seq.device)
@@ -627,7 +603,7 @@ def diffusion_generate(
     """
     d = start(model, prompts, max_new_tokens, mask_id, eos_id, rules)
     d.logprobs = check_logprobs(logprobs, commit_fn, d)
-    rounds = CachedLogits(model, d, block_size, row_subsets=True, fold_prompt=True)
+    rounds = CachedLogits(model, d, block_size, row_subsets=True)
     block_loop(d, block_size, Commit(tau, commit_fn, eos_id), rounds)
     return d.resp.clone(), d.nfe, d.traj
 
@@ -651,7 +627,7 @@ class Verification:
     logits tie to ~1e-6.) Like the draft, the verifier stores a finished block with its first forward of the next."""
 
     def __init__(self, verifier: torch.nn.Module, d: Decoding):
-        self.kv = BlockCache(verifier, d, fold_prompt=True)  # the first verification feeds the prompt
+        self.kv = BlockCache(verifier, d)  # the first verification feeds the prompt
         self.n = 0  # verifier forwards
         # The verifier's token for the next block's first position, and the rows where it is exact: the
         # verifier read all their tokens before it. None yet: the first block's draft writes its own.
@@ -726,7 +702,7 @@ def spec_generate(
     `ar_generate(..., rules=rules)`'s.
     """
     d = start(verifier, prompts, max_new_tokens, mask_id, eos_id, rules)
-    drafts = CachedLogits(draft, d, block_size, row_subsets=False, fold_prompt=True)
+    drafts = CachedLogits(draft, d, block_size, row_subsets=False)
     verify = Verification(verifier, d)
     block_loop(d, block_size, Commit(tau), drafts, verify)
     return d.resp.clone(), d.nfe, verify.n

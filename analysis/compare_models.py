@@ -21,19 +21,17 @@ evaluation step, so A and B match their rows of report.json on the test split.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import pandas as pd
 
-from analysis.output import print_json
+from analysis.output import print_json, provenance
 from analysis.speed_check import find_bundles, split_lists
 from components._lib.paths import repo_relative
 from components._lib.steps import LTR_DIR
 from gr2.evidence import Evidence
 from gr2.ltr import LTRModel
 from gr2.metrics import evaluate
-from gr2.report import git_sha
 from gr2.stages.evaluate import load, rankings
 from gr2.stages.prepare import list_features
 from gr2.teacher import Teacher
@@ -97,8 +95,6 @@ def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> 
     }
     top1 = top1_breakdown(ranks[a], ranks[b], [int(y) for y in df["label"]], a, b)
     return {
-        "command": "python -m analysis.compare_models " + " ".join(sys.argv[1:]),
-        "git_sha": git_sha(),
         "run": repo_relative(str(Path(run).resolve())),
         "a": a,
         "b": b,
@@ -121,7 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
-    res = compare(Path(args.run).resolve(), args.a, args.b, args.split, args.tau)
+    res = provenance("analysis.compare_models", argv) | compare(
+        Path(args.run).resolve(), args.a, args.b, args.split, args.tau
+    )
     print_json(res, args.out)
     return res
 

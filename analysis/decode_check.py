@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
+from analysis.output import provenance
 from analysis.speed_check import run_bundles, split_lists
 from gr2.generative import GenerativeReranker
-from gr2.report import git_sha, machine_info
 from gr2.stages.evaluate import load
 
 DRAFTS = ("rl", "opd", "cft")  # spec's draft: the final student, as gr2/stages/evaluate.py picks it
@@ -82,9 +81,6 @@ def check(run: Path, split: str, batch1_lists: int, limit: int = 0) -> dict:
         }
         print(key, json.dumps(decoders[key]), flush=True)
     return {
-        "command": "python -m analysis.decode_check " + " ".join(sys.argv[1:]),
-        "git_sha": git_sha(),
-        "machine": machine_info(),
         "run": {k: report.get(k) for k in ("run_id", "dataset", "profile", "git_sha")},
         "split": split,
         "lists": len(df),
@@ -159,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         "--report", default="benchmarks/decode_equivalence", help="comparison prefix (.json, .md)"
     )
     args = ap.parse_args(argv)
-    res = check(Path(args.run).resolve(), args.split, args.batch1_lists, args.limit)
+    res = provenance("analysis.decode_check", argv, machine=True) | check(
+        Path(args.run).resolve(), args.split, args.batch1_lists, args.limit
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     if not args.compare:

@@ -22,21 +22,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from analysis.compare_models import run_folder
-from analysis.output import print_json
+from analysis.output import print_json, provenance
 from components._lib.paths import repo_relative
 from components._lib.steps import LTR_DIR
 from gr2.config import Profile
 from gr2.evidence import Evidence
 from gr2.ltr import LTRModel, rankings_from_scores
 from gr2.metrics import evaluate
-from gr2.report import git_sha
 from gr2.stages.prepare import list_features
 from gr2.teacher import Teacher, fit_teacher
 from pipelines.run_local import run_examples, run_profile
@@ -128,8 +126,6 @@ def compare(run: Path, split: str) -> dict:
             for m in ("recall@1", "ndcg@5")
         }
     return {
-        "command": "python -m analysis.feature_rankers " + " ".join(sys.argv[1:]),
-        "git_sha": git_sha(),
         "run": repo_relative(str(Path(run).resolve())),
         "split": split,
         "n": len(df),
@@ -144,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--split", default="val", choices=["val", "test"])
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
-    res = compare(Path(args.run).resolve(), args.split)
+    res = provenance("analysis.feature_rankers", argv) | compare(Path(args.run).resolve(), args.split)
     print_json(res, args.out)
     return res
 

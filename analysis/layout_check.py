@@ -22,11 +22,10 @@ from pathlib import Path
 import numpy as np
 
 import gr2.decode
-from analysis.output import print_json
+from analysis.output import print_json, provenance
 from analysis.speed_check import find_bundles, split_lists
 from gr2.candidates import cut_lists
 from gr2.prompt import parse_trace, response_trace
-from gr2.report import git_sha, machine_info
 from gr2.stages.evaluate import decode_answers, load
 
 
@@ -89,9 +88,6 @@ def check(run: Path, model: str, split: str, taus: list[float]) -> dict:
                     flush=True,
                 )
     return {
-        "command": "python -m analysis.layout_check " + " ".join(sys.argv[1:]),
-        "git_sha": git_sha(),
-        "machine": machine_info(),
         "run": run.name,
         "model": model,
         "split": split,
@@ -130,7 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help="output prefix (.json and .md)")
     args = ap.parse_args(argv)
     taus = [float(t) for t in args.taus.split(",") if t.strip()]
-    res = check(Path(args.run).resolve(), args.model, args.split, taus)
+    res = provenance("analysis.layout_check", argv, machine=True) | check(
+        Path(args.run).resolve(), args.model, args.split, taus
+    )
     if args.out:
         Path(args.out).with_suffix(".md").write_text(markdown(res))
     print_json(res, args.out and str(Path(args.out).with_suffix(".json")))

@@ -1,8 +1,22 @@
-"""How an analysis script hands back its result: the JSON on stdout, and the same text in --out when given."""
+"""What every analysis result carries: a header that says how to reproduce it (`provenance`), and the JSON on
+stdout, the same text in --out when given (`print_json`)."""
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+from gr2.report import git_sha, machine_info
+
+
+def provenance(module: str, argv: list[str] | None, machine: bool = False) -> dict:
+    """The command that reproduces a result (`argv` as main received it; None: the process's own), the commit
+    it ran at, and the machine where timings depend on it."""
+    args = sys.argv[1:] if argv is None else argv
+    out: dict[str, Any] = {"command": " ".join(["python -m", module, *args]), "git_sha": git_sha()}
+    if machine:
+        out["machine"] = machine_info()
+    return out
 
 
 def print_json(result: Any, out: str | None) -> None:

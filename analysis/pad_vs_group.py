@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from analysis.output import provenance
 from analysis.speed_check import find_bundles
 from gr2.candidates import cut_lists
 from gr2.inference import RankRequest
-from gr2.report import git_sha, machine_info
 from gr2.stages.evaluate import load
 from pipelines.run_local import run_examples, run_profile
 
@@ -118,10 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             "per_batch": rs,
         }
     report = json.loads((run / "report.json").read_text())
-    out = {
-        "command": "python -m analysis.pad_vs_group " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "git_sha": git_sha(),
-        "machine": machine_info(),
+    out = provenance("analysis.pad_vs_group", argv, machine=True) | {
         "run": {"dataset": report["dataset"], "profile": report["profile"], "git_sha": report.get("git_sha")},
         "model": args.model,
         "batch_size": args.batch_size,

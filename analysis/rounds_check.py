@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from analysis.output import print_json
+from analysis.output import print_json, provenance
 from analysis.speed_check import find_bundles
 from gr2.decode import diffusion_generate, pad_prompts
 from gr2.generative import GenerativeReranker
@@ -131,12 +131,17 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"no examples in split {args.split!r}")
     prompts = model.encode_prompts(df["history"].tolist(), df["candidates"].tolist())
     if model.block_size < 1:  # an AR bundle: its forced tokens
-        out = {"run": run.name, "model": args.model, "split": args.split}
+        out = provenance("analysis.rounds_check", argv) | {
+            "run": run.name,
+            "model": args.model,
+            "split": args.split,
+        }
         out |= ar_forced(model, prompts, profile.eval.batch_size)
     else:
         tau = args.tau or model.tau
         assert tau is not None  # a diffusion bundle has its operating tau
-        out = {"run": run.name, "model": args.model, "tau": tau, "split": args.split}
+        out = provenance("analysis.rounds_check", argv)
+        out |= {"run": run.name, "model": args.model, "tau": tau, "split": args.split}
         out |= rounds(model, prompts, tau)
     print_json(out, args.out)
     return out

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from analysis.output import print_json
+from analysis.output import print_json, provenance
 from analysis.speed_check import find_bundles, split_lists
 from gr2.stages.evaluate import load
 
@@ -64,7 +64,6 @@ def check(
         )
     tokens = sum(len(r) for r in a.responses)
     return {
-        "command": "python -m analysis.spec_check " + " ".join(sys.argv[1:]),
         "run": {k: report.get(k) for k in ("run_id", "dataset", "profile", "git_sha")},
         "draft": draft,
         "split": split,
@@ -91,7 +90,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--limit", type=int, default=0, help="only the split's first N lists (0: all)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
-    res = check(Path(args.run).resolve(), args.draft, args.split, args.tau, args.limit)
+    res = provenance("analysis.spec_check", argv) | check(
+        Path(args.run).resolve(), args.draft, args.split, args.tau, args.limit
+    )
     print_json(res, args.out)
     return res
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,8 +23,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from analysis.output import provenance
 from gr2.config import Profile
-from gr2.report import git_sha, machine_info, speed_markdown
+from gr2.report import speed_markdown
 from gr2.stages.evaluate import load, speed_table
 from pipelines.run_local import run_examples, run_profile
 
@@ -109,10 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     rows = speed_table(models, plans, test, ev, warmup=True)
-    out = {
-        "command": "python -m analysis.speed_check " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "git_sha": git_sha(),
-        "machine": machine_info(),
+    out = provenance("analysis.speed_check", argv, machine=True) | {
         "device": args.device,
         "device_name": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
         "run": {

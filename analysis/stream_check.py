@@ -21,7 +21,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from analysis.output import print_json
+from analysis.output import print_json, provenance
 from analysis.speed_check import find_bundles, split_lists
 from gr2.inference import RankRequest
 from gr2.stages.evaluate import load
@@ -57,7 +57,6 @@ def check(
             got[f.key] = f.tokens[: f.tokens.index(eos) + 1] if eos in f.tokens else f.tokens
     wrong = [k for k in keys if got[k] != alone[k]]
     return {
-        "command": "python -m analysis.stream_check " + " ".join(sys.argv[1:]),
         "model": model,
         "decoder": decoder,
         "tau": None if decoder == "ar" else tau,
@@ -82,7 +81,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
-    res = check(Path(args.run).resolve(), args.model, args.split, args.tau, args.limit, args.seed)
+    res = provenance("analysis.stream_check", argv) | check(
+        Path(args.run).resolve(), args.model, args.split, args.tau, args.limit, args.seed
+    )
     print_json(res, args.out)
     return res
 

@@ -1,8 +1,9 @@
-"""analysis/output.py: the result printed as JSON, and the same text written to --out (its folder made)."""
+"""analysis/output.py: the result printed as JSON, and the same text written to --out (its folder made); the
+provenance header every tool puts first."""
 
 import json
 
-from analysis.output import print_json
+from analysis.output import print_json, provenance
 
 
 def test_print_json_prints_and_writes_the_same_text(tmp_path, capsys):
@@ -12,3 +13,14 @@ def test_print_json_prints_and_writes_the_same_text(tmp_path, capsys):
     assert json.loads(printed) == json.loads(out.read_text()) == {"lists": 3, "identical": 3}
     print_json([1], None)  # no --out: printed only
     assert json.loads(capsys.readouterr().out) == [1]
+
+
+def test_provenance_names_the_command_main_was_given(monkeypatch):
+    # main(argv) called from a test or another tool: the command is argv, not the process's own arguments.
+    monkeypatch.setattr("sys.argv", ["pytest", "-x"])
+    head = provenance("analysis.spec_check", ["--run", "runs/r", "--limit", "5"])
+    assert head["command"] == "python -m analysis.spec_check --run runs/r --limit 5"
+    assert head["git_sha"] and "machine" not in head
+    assert provenance("analysis.spec_check", None)["command"] == "python -m analysis.spec_check -x"
+    machine = provenance("analysis.speed_check", [], machine=True)["machine"]
+    assert machine["cores"] and machine["cpu"]

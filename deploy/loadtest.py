@@ -3,7 +3,8 @@
     python -m deploy.loadtest --model_uri <diffusion bundle> --ar_model_uri <AR teacher bundle> \
         --decoders ar diffusion spec --concurrency 1 2 4 8 32 --requests 200 --out benchmarks/serving
 starts one predictor per decoder on 127.0.0.1 (the AR rows decode the AR teacher; or use --url for a running server /
-the transformer), lets the decoders alternate in --turns turns at each concurrency level (side by side), sends v1 requests
+the transformer), lets the decoders alternate in --turns turns at each concurrency level (side by side; each level
+sends --requests, or --min_per_client per client and turn when that is more), sends v1 requests
 built from real examples (--examples parquet: user_id, history, candidates) or from the model's item catalogue,
 each client on its own keep-alive connection (`Connection`), and writes <out>.json / <out>.md: rows of decoder,
 tau, concurrency, p50_ms, p95_ms, p99_ms, rps, errors, client_cpu_ms (the load generator's CPU per request),
@@ -324,6 +325,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=10,
         help="each level's requests are split in turns; the decoders alternate",
     )
+    ap.add_argument(
+        "--min_per_client",
+        type=int,
+        default=4,
+        help="each turn sends at least this many requests per client: a turn with fewer requests than clients "
+        "never reaches its concurrency (at 32, 200 requests in 10 turns kept at most 20 in flight)",
+    )
     ap.add_argument("--n_candidates", type=int, default=10)
     ap.add_argument("--max_batch", type=int, default=16)
     ap.add_argument("--max_wait_ms", type=float, default=ServeConfig.max_wait_ms)
@@ -369,9 +377,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             served[batching, decoder] = (uri, url, instances, tau)
         for c in a.concurrency:
             samples = {d: Samples() for d in served}
+            n = max(a.requests, a.turns * c * a.min_per_client)  # instances cycled past --requests
             # turn t sends the same requests to every decoder, one decoder after another
             for t in range(a.turns):
-                lo, hi = t * a.requests // a.turns, (t + 1) * a.requests // a.turns
+                lo, hi = t * n // a.turns, (t + 1) * n // a.turns
                 for key, (_, url, instances, tau) in served.items():
                     asyncio.run(
                         measure(url, a.model_name, instances, key[1], tau, c, hi - lo, lo, samples[key])

@@ -73,7 +73,8 @@ def test_tiny_run_writes_report(predictor, model_dir, tmp_path):
         }
         assert set(r) == keys and r["batching"] == "continuous"  # the server's default
         assert r["errors"] == 0 and r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"] and r["rps"] > 0
-        assert r["n"] == 12  # every request of every turn is counted once
+        # every request of every turn is counted once; each of the 5 turns sends 4 per client (more than 12)
+        assert r["n"] == 5 * 4 * r["concurrency"]
         assert r["client_cpu_ms"] > 0  # the load generator's own share of the machine
         # the server's own split: the model call is part of what the client waited for
         assert 0 < r["model_p50_ms"] < r["p99_ms"] and r["queue_p50_ms"] >= 0

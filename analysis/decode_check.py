@@ -24,7 +24,7 @@ import json
 import time
 from pathlib import Path
 
-from analysis.output import provenance
+from analysis.output import provenance, run_record
 from analysis.speed_check import run_bundles, split_lists
 from gr2.generative import GenerativeReranker
 from gr2.stages.evaluate import load
@@ -81,7 +81,7 @@ def check(run: Path, split: str, batch1_lists: int, limit: int = 0) -> dict:
         }
         print(key, json.dumps(decoders[key]), flush=True)
     return {
-        "run": {k: report.get(k) for k in ("run_id", "dataset", "profile", "git_sha")},
+        "run": run_record(run, report),
         "split": split,
         "lists": len(df),
         "batch": batch,

@@ -19,6 +19,17 @@ def provenance(module: str, argv: list[str] | None, machine: bool = False) -> di
     return out
 
 
+def run_record(run: Path, report: dict) -> dict:
+    """Which run's models a result measured: its id (the folder's name where the report has none, e.g. a report
+    copied from a run stopped before its gate), dataset, profile, and the commit it was trained at."""
+    return {
+        "run_id": report.get("run_id") or run.name,
+        "dataset": report.get("dataset"),
+        "profile": report.get("profile"),
+        "git_sha": report.get("git_sha"),
+    }
+
+
 def print_json(result: Any, out: str | None) -> None:
     text = json.dumps(result, indent=2)
     if out:

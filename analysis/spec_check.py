@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from analysis.output import print_json, provenance
+from analysis.output import print_json, provenance, run_record
 from analysis.speed_check import find_bundles, split_lists
 from gr2.stages.evaluate import load
 
@@ -64,7 +64,7 @@ def check(
         )
     tokens = sum(len(r) for r in a.responses)
     return {
-        "run": {k: report.get(k) for k in ("run_id", "dataset", "profile", "git_sha")},
+        "run": run_record(run, report),
         "draft": draft,
         "split": split,
         "tau": tau,

@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from analysis.output import provenance
+from analysis.output import provenance, run_record
 from gr2.config import Profile
 from gr2.report import speed_markdown
 from gr2.stages.evaluate import load, speed_table
@@ -112,12 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     out = provenance("analysis.speed_check", argv, machine=True) | {
         "device": args.device,
         "device_name": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
-        "run": {
-            "dataset": report["dataset"],
-            "profile": report["profile"],
-            "run_id": report.get("run_id"),
-            "git_sha": report.get("git_sha"),
-        },
+        "run": run_record(run, report),
         "seconds": time.perf_counter() - t0,
         "speed": rows,
     }
@@ -128,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# Decode speed on {out['device_name'] or args.device}",
         "",
         f"- command: `{out['command']}`",
-        f"- models from run `{report.get('run_id')}` ({report['dataset']}, profile {report['profile']}, "
+        f"- models from run `{out['run']['run_id']}` ({report['dataset']}, profile {report['profile']}, "
         f"trained at `{report.get('git_sha')}`); measured at `{out['git_sha']}`",
         f"- machine: {out['machine']}",
         "",

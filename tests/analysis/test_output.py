@@ -3,7 +3,7 @@ provenance header every tool puts first."""
 
 import json
 
-from analysis.output import print_json, provenance
+from analysis.output import print_json, provenance, run_record
 
 
 def test_print_json_prints_and_writes_the_same_text(tmp_path, capsys):
@@ -24,3 +24,10 @@ def test_provenance_names_the_command_main_was_given(monkeypatch):
     assert provenance("analysis.spec_check", None)["command"] == "python -m analysis.spec_check -x"
     machine = provenance("analysis.speed_check", [], machine=True)["machine"]
     assert machine["cores"] and machine["cpu"]
+
+
+def test_run_record_names_the_run_its_report_does_not(tmp_path):
+    report = {"dataset": "amazon_beauty", "profile": "bench", "git_sha": "abc"}  # a run stopped before its gate
+    rec = run_record(tmp_path / "20261205-bench", report)
+    assert rec == {"run_id": "20261205-bench", "dataset": "amazon_beauty", "profile": "bench", "git_sha": "abc"}
+    assert run_record(tmp_path / "x", report | {"run_id": "r1"})["run_id"] == "r1"

@@ -27,7 +27,13 @@ def test_provenance_names_the_command_main_was_given(monkeypatch):
 
 
 def test_run_record_names_the_run_its_report_does_not(tmp_path):
-    report = {"dataset": "amazon_beauty", "profile": "bench", "git_sha": "abc"}  # a run stopped before its gate
+    # a run stopped before its gate: its report has no run_id
+    report = {"dataset": "amazon_beauty", "profile": "bench", "git_sha": "abc"}
     rec = run_record(tmp_path / "20261205-bench", report)
-    assert rec == {"run_id": "20261205-bench", "dataset": "amazon_beauty", "profile": "bench", "git_sha": "abc"}
+    assert rec == {
+        "run_id": "20261205-bench",
+        "dataset": "amazon_beauty",
+        "profile": "bench",
+        "git_sha": "abc",
+    }
     assert run_record(tmp_path / "x", report | {"run_id": "r1"})["run_id"] == "r1"

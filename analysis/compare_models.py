@@ -7,7 +7,13 @@ bootstrap samples as the profile), with B in the place of the floor:
     python -m analysis.compare_models --run runs/latest --a ar --b ar_sft --split test
     python -m analysis.compare_models --run runs/latest --a ar --b ltr --split test
 
-A or B may also be one of the run's feature-only rankers: `ltr` (the GBDT the evaluate-floor step fitted and
+A or B may also be a bundle folder (one with reranker.json: a model trained outside the DAG on the run's
+sft_data, e.g. `gr2 train-ar --sft-data <run>/kfp/*/prepare-sft/sft_data --profile <variant>`), so that a recipe
+tried by hand is judged on the run's lists as the run's own models are:
+
+    python -m analysis.compare_models --run runs/latest --a <model>/bundle --b ltr --split val --limit 600
+
+or one of the run's feature-only rankers: `ltr` (the GBDT the evaluate-floor step fitted and
 saved) or `teacher` (the reasoning teacher prepare-sft fitted, the trace's source), scored on the evidence
 prepare-sft saved (the features every model saw).
 
@@ -30,6 +36,7 @@ from analysis.speed_check import find_bundles, split_lists
 from components._lib.paths import repo_relative
 from components._lib.steps import LTR_DIR
 from gr2.evidence import Evidence
+from gr2.inference import CONFIG_FILE
 from gr2.ltr import LTRModel
 from gr2.metrics import evaluate
 from gr2.stages.evaluate import load, rankings
@@ -74,10 +81,16 @@ def feature_rankings(run: Path, name: str, df: pd.DataFrame) -> list[list[int]]:
     return LTRModel.load(run_folder(run, f"kfp/*/evaluate-floor/report/{LTR_DIR}")).rank(x)
 
 
-def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> dict:
-    profile, df = split_lists(run, split)
+def bundles_named(run: Path, names: list[str]) -> dict[str, Path]:
+    """Each name a bundle folder (it holds reranker.json) or the name of one of the run's bundles."""
+    folders = {n: Path(n) for n in names if (Path(n) / CONFIG_FILE).is_file()}
+    return folders | find_bundles(run, [n for n in names if n not in folders])
+
+
+def compare(run: Path, a: str, b: str, split: str, tau: float | None = None, limit: int = 0) -> dict:
+    profile, df = split_lists(run, split, limit)
     names = [n for n in (a, b) if n not in FEATURE_RANKERS]
-    models = {name: load(path) for name, path in find_bundles(run, names).items()}
+    models = {name: load(path) for name, path in bundles_named(run, names).items()}
     taus = {name: getattr(m, "tau", None) if tau is None else tau for name, m in models.items()}
     ranks = {name: rankings(m, df, taus[name], profile)[0] for name, m in models.items()}
     ranks |= {name: feature_rankings(run, name, df) for name in (a, b) if name in FEATURE_RANKERS}
@@ -109,16 +122,17 @@ def compare(run: Path, a: str, b: str, split: str, tau: float | None = None) -> 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", default="runs/latest", help="a run directory (make run / make bench)")
-    ap.add_argument("--a", required=True, help="bundle name, e.g. ar; or ltr / teacher")
-    ap.add_argument("--b", required=True, help="bundle name, e.g. ar_sft; or ltr / teacher")
+    ap.add_argument("--a", required=True, help="bundle name (e.g. ar) or bundle folder; or ltr / teacher")
+    ap.add_argument("--b", required=True, help="bundle name (e.g. ar_sft) or bundle folder; or ltr / teacher")
     ap.add_argument("--split", default="test", choices=["train", "val", "test"])
     ap.add_argument(
         "--tau", type=float, help="diffusion commit threshold (default: each model's operating tau)"
     )
+    ap.add_argument("--limit", type=int, default=0, help="only the split's first N lists (0: all)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     res = provenance("analysis.compare_models", argv) | compare(
-        Path(args.run).resolve(), args.a, args.b, args.split, args.tau
+        Path(args.run).resolve(), args.a, args.b, args.split, args.tau, args.limit
     )
     print_json(res, args.out)
     return res

@@ -21,6 +21,7 @@ from analysis.compare_models import main as compare_models
 from analysis.feature_rankers import main as feature_rankers
 from analysis.pad_vs_group import main as pad_vs_group
 from analysis.rounds_check import main as rounds_check
+from analysis.speed_check import find_bundles
 from analysis.stream_check import main as stream_check
 from gr2.data import data_root
 from gr2.data.variants import VARIANTS, build_variant
@@ -193,6 +194,14 @@ def test_local_run_writes_report(tmp_path):
     assert net == pytest.approx(cmp["n"] * r1["delta"])
     assert t["label_first"]["lists"] + t["label_not_first"]["lists"] == cmp["n"]
     assert json.loads((tmp_path / "c.json").read_text()) == cmp
+    # a bundle folder in place of a name (a recipe trained by hand on the run's sft_data), on the first lists
+    rl_dir = str(find_bundles(tmp_path / "smoke", ["rl"])["rl"])
+    head = [
+        compare_models(["--run", str(tmp_path / "smoke"), "--a", m, "--b", "ar", "--limit", "6"])
+        for m in ("rl", rl_dir)
+    ]
+    assert head[0]["n"] == head[1]["n"] == 6
+    assert head[1]["metrics"]["recall@1"][rl_dir] == head[0]["metrics"]["recall@1"]["rl"]
     # the run's feature-only rankers, refitted nowhere: the saved teacher and ltr give the report's rows
     r1 = compare_models(["--run", str(tmp_path / "smoke"), "--a", "teacher", "--b", "ltr"])["metrics"][
         "recall@1"

@@ -130,19 +130,17 @@ def main(argv: list[str] | None = None) -> dict:
     if df.empty:
         raise SystemExit(f"no examples in split {args.split!r}")
     prompts = model.encode_prompts(df["history"].tolist(), df["candidates"].tolist())
+    out = provenance("analysis.rounds_check", argv) | {
+        "run": run.name,
+        "model": args.model,
+        "split": args.split,
+    }
     if model.block_size < 1:  # an AR bundle: its forced tokens
-        out = provenance("analysis.rounds_check", argv) | {
-            "run": run.name,
-            "model": args.model,
-            "split": args.split,
-        }
         out |= ar_forced(model, prompts, profile.eval.batch_size)
     else:
         tau = args.tau or model.tau
         assert tau is not None  # a diffusion bundle has its operating tau
-        out = provenance("analysis.rounds_check", argv)
-        out |= {"run": run.name, "model": args.model, "tau": tau, "split": args.split}
-        out |= rounds(model, prompts, tau)
+        out |= {"tau": tau} | rounds(model, prompts, tau)
     print_json(out, args.out)
     return out
 

@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         f"# Decode speed on {out['device_name'] or args.device}",
         "",
         f"- command: `{out['command']}`",
-        f"- models from run `{out['run']['run_id']}` ({report['dataset']}, profile {report['profile']}, "
-        f"trained at `{report.get('git_sha')}`); measured at `{out['git_sha']}`",
+        f"- models from run `{out['run']['run_id']}` ({out['run']['dataset']}, profile {out['run']['profile']}, "
+        f"trained at `{out['run']['git_sha']}`); measured at `{out['git_sha']}`",
         f"- machine: {out['machine']}",
         "",
         *speed_markdown(rows),

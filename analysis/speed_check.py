@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--repeats", type=int, default=0, help="speed repeats (0: the profile's eval.speed_repeats)"
     )
+    ap.add_argument(
+        "--batch", type=int, default=0, help="the second batch size (0: the profile's eval.speed_batch)"
+    )
     ap.add_argument("--out", default="benchmarks/speed_device", help="output prefix (.json and .md)")
     args = ap.parse_args(argv)
 
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads((run / "report.json").read_text())
     profile = run_profile(run)
     ev = replace(profile.eval, speed_repeats=args.repeats) if args.repeats else profile.eval
+    ev = replace(ev, speed_batch=args.batch) if args.batch else ev
     torch.set_num_threads(args.threads or ev.threads)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     if "ar" not in names:

@@ -7,7 +7,8 @@
 #   DEVICE=cpu OUT=<prefix> scripts/gpu_check.sh RUN_DIR    # the same speed rows on the CPU (tested so, no GPU here)
 #
 # Options by environment: MODELS (bundle names, default ar,cft,rl), REPEATS (speed repeats, default the run
-# profile's: 20 on the bench; fewer shortens the check and widens the intervals), PY (the Python to use).
+# profile's: 20 on the bench; fewer shortens the check and widens the intervals), BATCH (the second batch size,
+# default the profile's speed_batch), PY (the Python to use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 run=${1:-runs/latest}
@@ -21,4 +22,4 @@ else
   gpu=$device
 fi
 "$py" -m analysis.speed_check --run "$run" --device "$device" ${MODELS:+--models "$MODELS"} \
-  ${REPEATS:+--repeats "$REPEATS"} --out "${OUT:-benchmarks/speed_$gpu}"
+  ${REPEATS:+--repeats "$REPEATS"} ${BATCH:+--batch "$BATCH"} --out "${OUT:-benchmarks/speed_$gpu}"

@@ -135,13 +135,20 @@ def test_local_run_writes_report(tmp_path):
     assert "block diffusion, block_size 4" in (cards / "rl.md").read_text()
     assert "(model_cards/rl.md)" in (tmp_path / "smoke" / "report.md").read_text()
     # The speed re-measurement for another device (scripts/gpu_check.sh -> analysis/speed_check.py) reads the same
-    # run; without a GPU here, on the CPU, with 2 repeats.
-    env = {**os.environ, "DEVICE": "cpu", "MODELS": "ar,rl", "REPEATS": "2", "OUT": str(tmp_path / "sp")}
+    # run; without a GPU here, on the CPU, with 2 repeats, and batch 3 in place of the profile's speed batch.
+    env = {
+        **os.environ,
+        "DEVICE": "cpu",
+        "MODELS": "ar,rl",
+        "REPEATS": "2",
+        "BATCH": "3",
+        "OUT": str(tmp_path / "sp"),
+    }
     script = Path(__file__).parents[2] / "scripts" / "gpu_check.sh"
     subprocess.run([str(script), str(tmp_path / "smoke")], env={**env, "PY": sys.executable}, check=True)
     sp = json.loads((tmp_path / "sp.json").read_text())
     assert [(s["model"], s["tau"], s["batch"]) for s in sp["speed"]] == [
-        (m, t, b) for b in (1, 4) for m, t in (("ar", None), ("rl", 1.0), ("rl", 0.5), ("spec", spec_tau))
+        (m, t, b) for b in (1, 3) for m, t in (("ar", None), ("rl", 1.0), ("rl", 0.5), ("spec", spec_tau))
     ]
     assert all(s["tokens_per_s"] > 0 and s["repeats"] == 2 for s in sp["speed"])
     assert [s["speedup_vs_ar"] for s in sp["speed"] if s["model"] == "ar"] == [1.0, 1.0]

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gr2.config import DiffusionConfig
-from gr2.inference import CONFIG_FILE, VERIFIER_DIR
+from gr2.inference import CONFIG_FILE, DTYPES, VERIFIER_DIR
 from gr2.report import git_sha, machine_info
 from serving.schema import BATCHING, ServeConfig
 from serving.serve_local import running, wait_ready
@@ -252,6 +252,13 @@ def fmt_load(load: list[float]) -> str:
     return ", ".join(f"{x:.2f}" for x in load)
 
 
+def dtypes(report: dict[str, Any]) -> str:
+    """What the servers decoded in, when not float32 alike (reports from before --dtype: float32)."""
+    d = report.get("dtype") or {}
+    model, ar = d.get("model", "float32"), d.get("ar", "float32")
+    return "" if model == ar == "float32" else f"; dtype: diffusion and spec {model}, AR {ar}"
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Serving load test",
@@ -259,7 +266,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"`{report['command']}`  ",
         f"machine: {report['machine']}; git {report['git_sha']}; load average (1, 5, 15 min) before "
         f"{fmt_load(report['load_average']['before'])}, after {fmt_load(report['load_average']['after'])}; "
-        f"max_batch {report.get('max_batch')}, torch threads per server {report.get('torch_threads', 0) or 'default'}",
+        f"max_batch {report.get('max_batch')}, torch threads per server {report.get('torch_threads', 0) or 'default'}"
+        + dtypes(report),
         "",
         "| batching | decoder | tau | concurrency | p50 ms | p95 ms | p99 ms | req/s | errors | server: queue p50 ms "
         "| model p50 ms | client CPU ms per request |",
@@ -287,7 +295,7 @@ def to_markdown(report: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def _server(a: argparse.Namespace, model_uri: str | None, batching: str) -> Iterator[str]:
+def _server(a: argparse.Namespace, model_uri: str | None, batching: str, dtype: str) -> Iterator[str]:
     """The URL of a ready server: --url as given, or the predictor started on a free loopback port."""
     if a.url is not None:
         wait_ready(f"{a.url}/v1/models/{a.model_name}", timeout_s=300)
@@ -295,7 +303,7 @@ def _server(a: argparse.Namespace, model_uri: str | None, batching: str) -> Iter
         return
     args = ["--role", "predictor", "--model_uri", model_uri, "--model_name", a.model_name]
     args += ["--max_batch", str(a.max_batch), "--max_wait_ms", str(a.max_wait_ms), "--batching", batching]
-    args += ["--torch_threads", str(a.torch_threads)]
+    args += ["--torch_threads", str(a.torch_threads), "--dtype", dtype]
     with running(args, a.model_name) as url:
         yield url
 
@@ -348,6 +356,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=1,
         help="each predictor's torch threads (serve_local; the base manifest's 1; 0: one per core)",
     )
+    ap.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=ServeConfig.dtype,
+        help="what the --model_uri server decodes in (the diffusion and spec rows)",
+    )
+    ap.add_argument(
+        "--ar_dtype",
+        choices=DTYPES,
+        default=ServeConfig.dtype,
+        help="what the AR rows' server decodes in (float32: AR's faster one on the CPUs measured, docs/SERVING.md)",
+    )
     ap.add_argument("--out", default="benchmarks/serving")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -366,7 +386,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         served = {}
         for batching, decoder in [(b, d) for b in a.batching for d in a.decoders]:
             uri = a.ar_model_uri if decoder == "ar" and a.ar_model_uri else a.model_uri
-            url = stack.enter_context(_server(a, uri, batching))
+            dtype = a.ar_dtype if decoder == "ar" else a.dtype
+            url = stack.enter_context(_server(a, uri, batching, dtype))
+            dtype = None if a.url else dtype  # a running server's is its own
             instances = load_instances(a.examples, uri, a.requests, a.n_candidates, a.seed)
             tau = (
                 bundle_tau(uri, "spec_tau", a.spec_tau)
@@ -374,20 +396,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 else bundle_tau(uri, "tau", a.tau)
             )
             asyncio.run(measure(url, a.model_name, instances, decoder, tau, 1, 3))  # warm-up, not recorded
-            served[batching, decoder] = (uri, url, instances, tau)
+            served[batching, decoder] = (uri, url, instances, tau, dtype)
         for c in a.concurrency:
             samples = {d: Samples() for d in served}
             n = max(a.requests, a.turns * c * a.min_per_client)  # instances cycled past --requests
             # turn t sends the same requests to every decoder, one decoder after another
             for t in range(a.turns):
                 lo, hi = t * n // a.turns, (t + 1) * n // a.turns
-                for key, (_, url, instances, tau) in served.items():
+                for key, (_, url, instances, tau, _) in served.items():
                     asyncio.run(
                         measure(url, a.model_name, instances, key[1], tau, c, hi - lo, lo, samples[key])
                     )
-            for (batching, decoder), (uri, _, _, tau) in served.items():
+            for (batching, decoder), (uri, _, _, tau, dtype) in served.items():
                 row = {**summarize(decoder, tau, c, samples[batching, decoder]), "model_uri": uri}
-                row["batching"] = batching
+                row["batching"], row["dtype"] = batching, dtype
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     # stable: per batcher and decoder, in concurrency order
@@ -400,6 +422,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batching": a.batching,
         "max_batch": a.max_batch,
         "torch_threads": a.torch_threads,
+        "dtype": None if a.url else {"model": a.dtype, "ar": a.ar_dtype},
         # the first batcher's ratios (the server's default when --batching is not given), then each batcher's
         "by_batching": {
             b: {"diffusion_vs_ar": compare(rows, "diffusion", b), "spec_vs_ar": compare(rows, "spec", b)}

@@ -38,6 +38,7 @@ from gr2.evidence import Evidence
 from gr2.inference import (
     CONFIG_FILE,
     DECODERS,
+    DTYPES,
     ITEMS_FILE,
     VERIFIER_DIR,
     RankRequest,
@@ -220,6 +221,15 @@ class GenerativeReranker:
         if self.block_size < 1:
             return ("ar",)
         return DECODERS if self.verifier is not None else ("diffusion", "ar")
+
+    def cast(self, dtype: str) -> None:
+        """Decode in `dtype` ("float32" or "bfloat16", `DTYPES`): the model's weights, and so its activations and KV
+        cache. spec's verifier keeps its own, so spec stays token for token equal to the verifier's greedy output.
+        Why bfloat16: on a CPU with bf16 matrix units it speeds up the few wide forwards of a diffusion decode
+        under load, not AR's many one-token forwards, and the student's validation R@1 held (docs/SERVING.md)."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        self.model.to(getattr(torch, dtype))
 
     def with_verifier(self, verifier: PreTrainedModel, name: str) -> GenerativeReranker:
         """The same model (shared, not copied) with another verifier and name."""

@@ -25,6 +25,7 @@ VERIFIER_DIR = (
     "verifier"  # a generative bundle's spec verifier: the folder, and the reranker.json key naming it
 )
 DECODERS = ("diffusion", "ar", "spec")  # spec: lossless speculative decoding (gr2/decode.py spec_generate)
+DTYPES = ("float32", "bfloat16")  # what a generative model may decode in (serving's --dtype)
 
 
 @dataclass(frozen=True)

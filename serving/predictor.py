@@ -93,6 +93,9 @@ class RerankPredictor(kserve.Model):
         if self.reranker is None:
             assert self.model_uri is not None  # __init__: exactly one of model_uri or reranker
             self.reranker = load_reranker(fetch_model_dir(self.model_uri))
+        cast = getattr(self.reranker, "cast", None)  # a generative model (the floor has no weights)
+        if cast is not None:
+            cast(self.cfg.dtype)
         tau = getattr(self.reranker, "tau", None)
         if tau is not None:  # a diffusion model's own operating point (its bundle's) is the default tau
             self.cfg = dataclasses.replace(self.cfg, default_tau=float(tau))

@@ -70,8 +70,10 @@ def test_tiny_run_writes_report(predictor, model_dir, tmp_path):
             "model_p50_ms",
             "batching",
             "client_cpu_ms",
+            "dtype",
         }
         assert set(r) == keys and r["batching"] == "continuous"  # the server's default
+        assert r["dtype"] is None  # --url: the running server's own, not known here
         assert r["errors"] == 0 and r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"] and r["rps"] > 0
         # every request of every turn is counted once; each of the 5 turns sends 4 per client (more than 12)
         assert r["n"] == 5 * 4 * r["concurrency"]

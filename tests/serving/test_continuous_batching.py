@@ -10,9 +10,12 @@ import random
 import threading
 
 import pytest
+import torch
 
 from gr2.inference import RankRequest, load_reranker
 from serving.batcher import ContinuousBatcher
+from serving.predictor import RerankPredictor
+from serving.schema import ServeConfig
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +156,24 @@ def test_a_failing_decode_step_or_request_fails_no_other(reranker, ml_slice):
     for (req, decoder, tau), timed in zip(sent, out[:-1], strict=True):
         assert same(timed.result, alone(reranker, req, decoder, tau))
     assert b.alive()
+
+
+def test_a_bfloat16_predictor_ranks_every_request_and_spec_stays_its_verifiers(model_dir, reranker, ml_slice):
+    """--dtype bfloat16 (ServeConfig.dtype): the predictor casts the model it decodes, not spec's verifier. Every
+    request of every length, decoder and user gets a permutation of its own candidates, and spec's tokens are the
+    float32 server's (they are the verifier's greedy tokens whatever drafts them)."""
+    pred = RerankPredictor("reranker", model_uri=str(model_dir), cfg=ServeConfig(dtype="bfloat16"))
+    pred.load()
+    assert next(pred.reranker.model.parameters()).dtype == torch.bfloat16
+    assert next(pred.reranker.verifier.parameters()).dtype == torch.float32
+    sent = requests_of(ml_slice, 24, seed=2)
+
+    async def main():
+        return await asyncio.gather(*(pred.batcher.submit(req, d, tau) for req, d, tau in sent))
+
+    for (req, decoder, tau), timed in zip(sent, asyncio.run(main()), strict=True):
+        assert sorted(timed.result.ranking) == sorted(req.candidates)
+        if decoder == "spec":
+            assert same(timed.result, alone(reranker, req, decoder, tau)), req
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ServeConfig(dtype="float16")

@@ -13,7 +13,9 @@ tried by hand is judged on the run's lists as the run's own models are:
 
     python -m analysis.compare_models --run runs/latest --a <model>/bundle --b ltr --split val --limit 600
 
-or one of the run's feature-only rankers: `ltr` (the GBDT the evaluate-floor step fitted and
+A bundle name or folder may end in `:bfloat16` to decode it in bf16 as `serving --dtype bfloat16` does, so a
+dtype is judged on the lists it would serve (`--a rl:bfloat16 --b rl`: the same bundle in both dtypes),
+or A or B is one of the run's feature-only rankers: `ltr` (the GBDT the evaluate-floor step fitted and
 saved) or `teacher` (the reasoning teacher prepare-sft fitted, the trace's source), scored on the evidence
 prepare-sft saved (the features every model saw).
 
@@ -32,14 +34,13 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.output import print_json, provenance
-from analysis.speed_check import find_bundles, split_lists
+from analysis.speed_check import load_models, split_lists
 from components._lib.paths import repo_relative
 from components._lib.steps import LTR_DIR
 from gr2.evidence import Evidence
-from gr2.inference import CONFIG_FILE
 from gr2.ltr import LTRModel
 from gr2.metrics import evaluate
-from gr2.stages.evaluate import load, rankings
+from gr2.stages.evaluate import rankings
 from gr2.stages.prepare import list_features
 from gr2.teacher import Teacher
 
@@ -81,16 +82,9 @@ def feature_rankings(run: Path, name: str, df: pd.DataFrame) -> list[list[int]]:
     return LTRModel.load(run_folder(run, f"kfp/*/evaluate-floor/report/{LTR_DIR}")).rank(x)
 
 
-def bundles_named(run: Path, names: list[str]) -> dict[str, Path]:
-    """Each name a bundle folder (it holds reranker.json) or the name of one of the run's bundles."""
-    folders = {n: Path(n) for n in names if (Path(n) / CONFIG_FILE).is_file()}
-    return folders | find_bundles(run, [n for n in names if n not in folders])
-
-
 def compare(run: Path, a: str, b: str, split: str, tau: float | None = None, limit: int = 0) -> dict:
     profile, df = split_lists(run, split, limit)
-    names = [n for n in (a, b) if n not in FEATURE_RANKERS]
-    models = {name: load(path) for name, path in bundles_named(run, names).items()}
+    models = load_models(run, [n for n in (a, b) if n not in FEATURE_RANKERS])
     taus = {name: getattr(m, "tau", None) if tau is None else tau for name, m in models.items()}
     ranks = {name: rankings(m, df, taus[name], profile)[0] for name, m in models.items()}
     ranks |= {name: feature_rankings(run, name, df) for name in (a, b) if name in FEATURE_RANKERS}
@@ -122,7 +116,9 @@ def compare(run: Path, a: str, b: str, split: str, tau: float | None = None, lim
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", default="runs/latest", help="a run directory (make run / make bench)")
-    ap.add_argument("--a", required=True, help="bundle name (e.g. ar) or bundle folder; or ltr / teacher")
+    ap.add_argument(
+        "--a", required=True, help="bundle name (e.g. ar, rl:bfloat16) or bundle folder; or ltr / teacher"
+    )
     ap.add_argument("--b", required=True, help="bundle name (e.g. ar_sft) or bundle folder; or ltr / teacher")
     ap.add_argument("--split", default="test", choices=["train", "val", "test"])
     ap.add_argument(

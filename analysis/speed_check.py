@@ -7,6 +7,10 @@ profile's spec_tau, `ar` verifying), at batch 1 and the serving batch.
 
     python -m analysis.speed_check --run runs/latest --device cuda --out benchmarks/speed_cuda
 
+A model may be named with a dtype, `<bundle>:bfloat16`, to decode it in bf16 as `serving --dtype bfloat16` does,
+beside the same bundle in float32 in the same interleaved repeats (`--models ar,rl,rl:bfloat16`); `ar`, the
+baseline, and spec's verifier are float32.
+
 scripts/gpu_check.sh runs it on a GPU machine after the GPU tests, into benchmarks/speed_<gpu>.
 
 writes <out>.json (command, machine, device, run, `speed` rows as in report.json) and <out>.md.
@@ -25,6 +29,8 @@ import torch
 
 from analysis.output import provenance, run_record
 from gr2.config import Profile
+from gr2.generative import GenerativeReranker
+from gr2.inference import CONFIG_FILE, DTYPES
 from gr2.report import speed_markdown
 from gr2.stages.evaluate import load, speed_table
 from pipelines.run_local import run_examples, run_profile
@@ -65,10 +71,34 @@ def find_bundles(run: Path, names: list[str]) -> dict[str, Path]:
     return {n: found[n] for n in names}  # in the order asked for
 
 
+def name_dtype(spec: str) -> tuple[str, str]:
+    """A model argument "<bundle>[:<dtype>]" as (bundle, dtype); float32 where it names no dtype."""
+    name, sep, dtype = spec.rpartition(":")
+    return (name, dtype) if sep and dtype in DTYPES else (spec, "float32")
+
+
+def load_models(run: Path, specs: list[str]) -> dict[str, GenerativeReranker]:
+    """Each "<bundle>[:<dtype>]" loaded and cast to its dtype, by its spec; a bundle is one of the run's bundle
+    names or a bundle folder (one with reranker.json, e.g. a recipe trained by hand on the run's sft_data)."""
+    names = list(dict.fromkeys(name_dtype(s)[0] for s in specs))
+    folders = {n: Path(n) for n in names if (Path(n) / CONFIG_FILE).is_file()}
+    paths = folders | find_bundles(run, [n for n in names if n not in folders])
+    models = {}
+    for spec in specs:
+        name, dtype = name_dtype(spec)
+        models[spec] = load(paths[name])
+        models[spec].cast(dtype)
+    return models
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", default="runs/latest", help="a run directory (make run / make bench)")
-    ap.add_argument("--models", default="ar,cft,rl", help="bundle names; 'ar' (the AR baseline) is required")
+    ap.add_argument(
+        "--models",
+        default="ar,cft,rl",
+        help="bundle names, each may end in :bfloat16; 'ar' (the float32 AR baseline) is required",
+    )
     ap.add_argument(
         "--spec",
         default="rl",
@@ -96,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     if "ar" not in names:
         raise SystemExit("--models must include 'ar' (the speed baseline)")
-    models = {name: load(path) for name, path in find_bundles(run, names).items()}
+    models = load_models(run, names)
     for name, m in models.items():
         m.name = name
         m.model.to(args.device)

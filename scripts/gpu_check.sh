@@ -6,9 +6,9 @@
 #   scripts/gpu_check.sh [RUN_DIR]                          # default runs/latest, DEVICE=cuda
 #   DEVICE=cpu OUT=<prefix> scripts/gpu_check.sh RUN_DIR    # the same speed rows on the CPU (tested so, no GPU here)
 #
-# Options by environment: MODELS (bundle names, default ar,cft,rl), REPEATS (speed repeats, default the run
-# profile's: 20 on the bench; fewer shortens the check and widens the intervals), BATCH (the second batch size,
-# default the profile's speed_batch), PY (the Python to use).
+# Options by environment: MODELS (bundle names, default ar,cft,rl; add rl:bfloat16 for the student in bf16),
+# REPEATS (speed repeats, default the run profile's: 20 on the bench; fewer shortens the check and widens the
+# intervals), BATCH (the second batch size, default the profile's speed_batch), PY (the Python to use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 run=${1:-runs/latest}

@@ -135,11 +135,12 @@ def test_local_run_writes_report(tmp_path):
     assert "block diffusion, block_size 4" in (cards / "rl.md").read_text()
     assert "(model_cards/rl.md)" in (tmp_path / "smoke" / "report.md").read_text()
     # The speed re-measurement for another device (scripts/gpu_check.sh -> analysis/speed_check.py) reads the same
-    # run; without a GPU here, on the CPU, with 2 repeats, and batch 3 in place of the profile's speed batch.
+    # run; without a GPU here, on the CPU, with 2 repeats, batch 3 in place of the profile's speed batch, and the
+    # student also in bfloat16 (serving's --dtype), in the same repeats.
     env = {
         **os.environ,
         "DEVICE": "cpu",
-        "MODELS": "ar,rl",
+        "MODELS": "ar,rl,rl:bfloat16",
         "REPEATS": "2",
         "BATCH": "3",
         "OUT": str(tmp_path / "sp"),
@@ -148,7 +149,13 @@ def test_local_run_writes_report(tmp_path):
     subprocess.run([str(script), str(tmp_path / "smoke")], env={**env, "PY": sys.executable}, check=True)
     sp = json.loads((tmp_path / "sp.json").read_text())
     assert [(s["model"], s["tau"], s["batch"]) for s in sp["speed"]] == [
-        (m, t, b) for b in (1, 3) for m, t in (("ar", None), ("rl", 1.0), ("rl", 0.5), ("spec", spec_tau))
+        (m, t, b)
+        for b in (1, 3)
+        for m, t in (
+            ("ar", None),
+            *((r, tau) for r in ("rl", "rl:bfloat16") for tau in (1.0, 0.5)),
+            ("spec", spec_tau),
+        )
     ]
     assert all(s["tokens_per_s"] > 0 and s["repeats"] == 2 for s in sp["speed"])
     assert [s["speedup_vs_ar"] for s in sp["speed"] if s["model"] == "ar"] == [1.0, 1.0]
@@ -209,6 +216,10 @@ def test_local_run_writes_report(tmp_path):
     ]
     assert head[0]["n"] == head[1]["n"] == 6
     assert head[1]["metrics"]["recall@1"][rl_dir] == head[0]["metrics"]["recall@1"]["rl"]
+    # the same bundle decoded in bf16 (serving --dtype bfloat16) against itself in float32, on the same lists
+    bf = compare_models(["--run", str(tmp_path / "smoke"), "--a", "rl:bfloat16", "--b", "rl", "--limit", "6"])
+    assert bf["n"] == 6 and bf["metrics"]["recall@1"]["rl"] == head[0]["metrics"]["recall@1"]["rl"]
+    assert 0 <= bf["metrics"]["recall@1"]["rl:bfloat16"] <= 1
     # the run's feature-only rankers, refitted nowhere: the saved teacher and ltr give the report's rows
     r1 = compare_models(["--run", str(tmp_path / "smoke"), "--a", "teacher", "--b", "ltr"])["metrics"][
         "recall@1"

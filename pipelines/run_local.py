@@ -158,6 +158,13 @@ def run_local(
     own_root = not os.environ.get("GR2_S3_BUCKET") and not os.environ.get("GR2_ARTIFACT_ROOT")
     if own_root:
         os.environ["GR2_ARTIFACT_ROOT"] = str(Path(runs_dir).resolve() / "artifacts")
+    # The commit the run starts from, for the steps' reports: read when a report is written, it would name whatever
+    # HEAD is by then if commits land during a long run. The subprocess runner's steps inherit it.
+    from gr2.report import git_sha
+
+    own_sha = not os.environ.get("GR2_GIT_SHA")
+    if own_sha:
+        os.environ["GR2_GIT_SHA"] = git_sha()
     t0 = time.perf_counter()
     try:
         if runner == "docker":
@@ -180,6 +187,8 @@ def run_local(
     finally:
         if own_root:
             del os.environ["GR2_ARTIFACT_ROOT"]
+        if own_sha:
+            del os.environ["GR2_GIT_SHA"]
     seconds = time.perf_counter() - t0
     out: dict = {"run_dir": str(run_dir), "report": None, "validation": [], "seconds": round(seconds, 1)}
     for v in sorted(root.glob("**/validation.json")):
@@ -272,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         max_users=a.max_users,
         bounds_json=a.bounds_json,
         benchmark_dir=a.benchmark_dir,
-        command=a.command,
+        # the command as typed, without the machine's path to this file (sys.argv[0] under python -m)
+        command=a.command
+        or shlex.join(["python", "-m", "pipelines.run_local", *(sys.argv[1:] if argv is None else argv)]),
         serve_smoke=not a.no_serve_smoke,
         overrides=overrides,
         runner=a.runner,

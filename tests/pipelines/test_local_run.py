@@ -271,18 +271,24 @@ def test_malformed_dataset_fails_at_ingest_and_writes_nothing(tmp_path, capfd):
 
 def test_set_overrides_reach_run_local(monkeypatch):
     """`--set KEY=VALUE` (repeatable) parses VALUE as YAML and hands the dotted keys to run_local; a malformed
-    one is refused by name."""
+    one is refused by name. The report's command is the one typed, with no machine path in it."""
     import pipelines.run_local as rl
 
     got = {}
 
     def fake(**kwargs):
-        got["overrides"] = kwargs["overrides"]
+        got.update(kwargs)
         return {"report": None, "validation": [], "seconds": 0.0, "run_dir": "x"}
 
     monkeypatch.setattr(rl, "run_local", fake)
     assert rl.main(["--set", "seed=1", "--set", "sft.epochs=2.5", "--set", "teacher.inputs=raw"]) == 1
     assert got["overrides"] == {"seed": 1, "sft.epochs": 2.5, "teacher.inputs": "raw"}
+    assert (
+        got["command"]
+        == "python -m pipelines.run_local --set seed=1 --set sft.epochs=2.5 --set teacher.inputs=raw"
+    )
+    rl.main(["--command", "make bench"])
+    assert got["command"] == "make bench"
     with pytest.raises(SystemExit):
         rl.main(["--set", "seed"])
 

@@ -284,4 +284,8 @@ def test_replay_with_the_layout_matches_the_constrained_sampler(trace_models):
         lp = token_logprobs(policy_logits(model, batch, bs, MASK, ruled), resp)
         assert (lp - batch.old_logprobs)[batch.scored].abs().max() < 1e-4
         free = token_logprobs(policy_logits(model, batch, bs, MASK, DecodeRules(ANSWER_IDS, FOLLOW)), resp)
-        assert (free - batch.old_logprobs)[batch.scored].abs().max() > 1e-3
+        # Without the layout the replay spreads mass over tokens the sampler banned: never a higher log-prob, and
+        # somewhere off by more than the tolerance that "matches" uses above (how far depends on how much mass the
+        # small model leaves on banned tokens, which varies with the CPU's arithmetic: 0.0009 on a Xeon).
+        gap = (batch.old_logprobs - free)[batch.scored]
+        assert gap.min() > -1e-4 and gap.max() > 1e-4

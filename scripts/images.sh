@@ -40,6 +40,10 @@ if [ -z "${BASE_IMAGE:-}" ]; then
   fi
 fi
 args+=(--build-arg "BASE_IMAGE=$BASE_IMAGE")
+# The commit the images hold, as gr2.report.git_sha writes it (-dirty when tracked files differ from it).
+sha=$(git rev-parse HEAD)
+git diff --quiet HEAD -- || sha="$sha-dirty"
+args+=(--build-arg "GR2_GIT_SHA=$sha")
 
 relax_cuda=0
 if [ "$ENGINE" = podman ]; then  # (docker build has no --volume; a docker host reaches its indexes directly)

@@ -60,6 +60,8 @@ def test_containerized_dag_report_matches_the_venv_run(dag):
             "model"
         ]
     assert docker["retriever"] == venv["retriever"]
+    # the steps in the images name the commit they were built from, as the venv run names its checkout's
+    assert docker["git_sha"] == venv["git_sha"] != "unknown"
     assert docker["gate"]["passed"] == venv["gate"]["passed"]
     assert set(docker["training"]) == set(venv["training"]) == {"ar_sft", "ar", "naive", "cft", "opd", "rl"}
     for stage, a in docker["training"].items():

@@ -388,7 +388,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             uri = a.ar_model_uri if decoder == "ar" and a.ar_model_uri else a.model_uri
             dtype = a.ar_dtype if decoder == "ar" else a.dtype
             url = stack.enter_context(_server(a, uri, batching, dtype))
-            dtype = None if a.url else dtype  # a running server's is its own
             instances = load_instances(a.examples, uri, a.requests, a.n_candidates, a.seed)
             tau = (
                 bundle_tau(uri, "spec_tau", a.spec_tau)
@@ -396,7 +395,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 else bundle_tau(uri, "tau", a.tau)
             )
             asyncio.run(measure(url, a.model_name, instances, decoder, tau, 1, 3))  # warm-up, not recorded
-            served[batching, decoder] = (uri, url, instances, tau, dtype)
+            # the dtype a row records: None for a running server (--url), which decodes in its own
+            served[batching, decoder] = (uri, url, instances, tau, None if a.url else dtype)
         for c in a.concurrency:
             samples = {d: Samples() for d in served}
             n = max(a.requests, a.turns * c * a.min_per_client)  # instances cycled past --requests

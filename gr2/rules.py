@@ -24,7 +24,7 @@ the decoders ask it for the bans of a position and for a block's slots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -58,6 +58,9 @@ class Layout:
     head: torch.Tensor  # [H] the answer's tokens before its first label ('{ "ranking" : [')
     sep: int  # the token between two answer labels (',')
     tail: torch.Tensor  # the tokens after the last label, eos last (']', '}', eos)
+    # `kinds` of every n = 0..K per (width, device), computed once: serving starts a decode per few requests,
+    # and building the kinds op by op cost 4% of its decoding thread at 32 clients (docs/SERVING.md)
+    _by_n: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def n_candidates(self, prompt_ids: torch.Tensor) -> torch.Tensor:
         """[B]: the candidates of each (padded) prompt [B, P], i.e. its label tokens."""
@@ -83,6 +86,16 @@ class Layout:
 
     def kinds(self, n: torch.Tensor, width: int) -> torch.Tensor:
         """[B, width]: the kind of each response position (a row of `table`) for rows of n [B] candidates."""
+        K = len(self.labels)
+        if len(n) and int(n.max()) > K:  # (no prompt holds a label twice; built anyway)
+            return self.build_kinds(n, width)
+        key = (width, n.device)
+        if key not in self._by_n:
+            self._by_n[key] = self.build_kinds(torch.arange(K + 1, device=n.device), width)
+        return self._by_n[key][n.clamp(min=0)]
+
+    def build_kinds(self, n: torch.Tensor, width: int) -> torch.Tensor:
+        """`kinds`, computed."""
         K, H, dev = len(self.labels), len(self.head), n.device
         fix = 2 + K  # the first fixed row: label 0
         p, n = torch.arange(width, device=dev)[None, :], n[:, None]

@@ -378,7 +378,12 @@ def start_model_server(
     app.add_exception_handler(BadRequest, _error_response)
     app.add_exception_handler(UpstreamError, _error_response)
     logging.getLogger("kserve").addFilter(OneLineClientErrors())  # the logger kserve.errors' handlers use
-    server = kserve.ModelServer(http_port=http_port, enable_grpc=False, workers=1)
+    # enable_latency_logging off: kserve's "kserve.trace" line per request (requestId N.A. and the ms of each
+    # phase) repeats what our histograms hold (serving/metrics.py), and at 32 clients its logging cost the event
+    # loop 4% of its time, on the core the decoding thread shares (docs/SERVING.md)
+    server = kserve.ModelServer(
+        http_port=http_port, enable_grpc=False, workers=1, enable_latency_logging=False
+    )
     server.dataplane = ProbeDataPlane(model_registry=server.registered_models)
     escape_all_logs()  # after kserve configured its loggers
     server.start(models)

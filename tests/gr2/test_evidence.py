@@ -121,17 +121,33 @@ def test_features_on_real_slice_train_matches_test_distribution():
     X = ev.features_batch(list(ex.history), list(ex.candidates), own)
     assert X.shape == (len(ex), 10, len(FEATURE_NAMES)) and np.isfinite(X).all() and (X >= 0).all()
     np.testing.assert_array_equal(ev.features_batch(list(ex.history), list(ex.candidates), own, chunk=7), X)
-    # one example computed alone equals its batch row
-    i = int(np.flatnonzero(ex.split == "train")[3])
-    np.testing.assert_allclose(ev.features(ex.history.iat[i], ex.candidates.iat[i], own[i]), X[i])
+    # a list computed alone equals its batch row to the bit (serving batches whichever requests wait: a
+    # request's prompt must not depend on them)
+    for i in range(0, len(ex), 7):
+        np.testing.assert_array_equal(ev.features(ex.history.iat[i], ex.candidates.iat[i], own[i]), X[i])
     # lists of different lengths in one call (what serving batches): each list's rows are its features alone,
     # the rows past a short list's end are zeros
     cut = cut_lists(ex, [2 + k % 9 for k in range(len(ex))], seed=0)
     Xc = ev.features_batch(list(cut.history), list(cut.candidates), own, chunk=7)
     for k in range(0, len(cut), max(len(cut) // 20, 1)):
         n = len(cut.candidates.iat[k])
-        np.testing.assert_allclose(Xc[k, :n], ev.features(cut.history.iat[k], cut.candidates.iat[k], own[k]))
+        np.testing.assert_array_equal(
+            Xc[k, :n], ev.features(cut.history.iat[k], cut.candidates.iat[k], own[k])
+        )
         assert not Xc[k, n:].any()
+    # the content features against their definition, computed densely: the history profile is the sum of the
+    # history items' vectors, weighted decay^(steps back), an item seen twice counted twice
+    cats, titles = ev.cats.toarray(), ev.title_vec.toarray()
+    for k in range(0, len(ex), 11):
+        hist = [ev.index[h] for h in ex.history.iat[k] if h in ev.index]
+        w = ev.config.decay ** np.arange(len(hist))[::-1]
+        cand = [ev.index[c] for c in ex.candidates.iat[k]]
+        prof = w @ cats[hist]
+        overlap = (cats[cand] @ prof) / np.maximum(cats[cand].sum(1), 1) / max(w.sum(), 1e-12)
+        np.testing.assert_allclose(X[k, :, F["category_overlap"]], overlap, rtol=1e-12, atol=1e-15)
+        prof = w @ titles[hist]
+        cosine = (titles[cand] @ prof) / max(np.linalg.norm(prof), 1e-12)
+        np.testing.assert_allclose(X[k, :, F["title_sim"]], cosine, rtol=1e-12, atol=1e-15)
     # subtraction matters: without it the train target's transition evidence is inflated
     Xn = ev.features_batch(list(ex.history), list(ex.candidates))
     tr_m = (ex.split == "train").to_numpy()

@@ -56,6 +56,15 @@ def test_layout_by_hand():
     assert [(~b).nonzero().flatten().tolist() for b in past] == [[EOS]] * 40
 
 
+def test_kinds_looked_up_equal_kinds_built():
+    """`Layout.kinds` looks each row up in a table of every n, built once per width: the same as building them."""
+    n = torch.tensor([0, 1, 2, 3, 4, 5, 6, 3, 1])
+    for width in (1, 16, 40):
+        assert torch.equal(SHAPE.kinds(n, width), SHAPE.build_kinds(n, width))
+        assert torch.equal(SHAPE.kinds(n[:0], width), SHAPE.build_kinds(n[:0], width))
+    assert torch.equal(SHAPE.kinds(torch.tensor([7, 2]), 16), SHAPE.build_kinds(torch.tensor([7, 2]), 16))
+
+
 def test_every_decoder_writes_the_shape_whatever_the_model():
     """An untrained model writes malformed responses; under the layout every decoder's response has the shape, for
     lists of every length, and its answer follows its trace (a permutation of the list's own candidates)."""

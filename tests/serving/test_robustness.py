@@ -158,7 +158,7 @@ def test_deep_json_is_a_400_and_the_keep_alive_connection_still_serves(server, i
             assert r.status_code == 200 and sorted(r.json()["predictions"][0]["ranking"]) == sorted(items[:3])
 
 
-PER_REQUEST = ("uvicorn.access", "kserve.trace")  # the loggers that write a line for every request
+PER_REQUEST = ("uvicorn.access",)  # the logger that writes a line for every request
 
 
 def test_each_rejection_is_one_log_line_without_a_traceback(server, items):
@@ -184,8 +184,9 @@ def test_each_rejection_is_one_log_line_without_a_traceback(server, items):
         assert "Traceback" not in text, text[-2000:]
 
 
-def test_kserve_timing_middleware_is_left_out(server, items):
-    """serving/modelserver.py drop_kserve_timing: no per-request 'kserve.io.<path>' wall / cpu lines."""
+def test_kserve_timing_lines_are_left_out(server, items):
+    """serving/modelserver.py: no per-request 'kserve.io.<path>' wall / cpu lines (drop_kserve_timing) and no
+    'kserve.trace' latency line (enable_latency_logging off): the access line alone."""
     marker = uuid.uuid4().hex
     offset = len(server["log"].read_text(errors="replace"))
     good = {"instances": [{"user_id": "1", "candidates": items[:3]}]}
@@ -194,6 +195,7 @@ def test_kserve_timing_middleware_is_left_out(server, items):
     assert httpx.post(unknown, json=good, timeout=30).status_code == 404
     text = log_since(server["log"], offset, f"m{marker}")  # once the second request's lines are written
     assert f"{MODEL}%3Apredict" in text and "kserve.io." not in text, text[-2000:]
+    assert "kserve.trace" not in text, text[-2000:]
 
 
 def test_a_200_kb_user_id_is_not_echoed_whole(server, items):

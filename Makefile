@@ -96,9 +96,9 @@ serve: install ## serve the newest run's model on 127.0.0.1:8080 (predictor + Fe
 	@test -n "$(MODEL)" || { echo "no model: run 'make run' first or pass MODEL=<bundle dir>"; exit 2; }
 	$(PY) -m serving.serve_local --model_uri $(MODEL) $(if $(FEAST_REPO),--feast_repo $(FEAST_REPO))
 
-loadtest: install ## AR vs diffusion load test over HTTP on 127.0.0.1 -> benchmarks/serving.json/.md
+loadtest: install ## AR vs diffusion load test over HTTP on 127.0.0.1 -> benchmarks/serving.json/.md (DTYPE=bfloat16: the student in bf16 -> serving_bf16)
 	@test -n "$(MODEL)" || { echo "no model: run 'make run' first or pass MODEL=<bundle dir>"; exit 2; }
-	$(PY) -m deploy.loadtest --model_uri $(MODEL) $(if $(AR_MODEL),--ar_model_uri $(AR_MODEL)) $(if $(EXAMPLES),--examples $(EXAMPLES)) --out benchmarks/serving
+	$(PY) -m deploy.loadtest --model_uri $(MODEL) $(if $(AR_MODEL),--ar_model_uri $(AR_MODEL)) $(if $(EXAMPLES),--examples $(EXAMPLES)) $(if $(DTYPE),--dtype $(DTYPE)) --out benchmarks/serving$(if $(filter bfloat16,$(DTYPE)),_bf16)
 
 # Images: <registry>/gr2, gr2-train-gpu, gr2-serve, tagged with the git sha (what `make compile` names).
 TAG ?= $(shell git rev-parse --short HEAD)

@@ -36,6 +36,7 @@ from gr2.stages.evaluate import load as load_bundle
 from serving.schema import ServeConfig
 
 MODES = ("decode", "encode+decode")
+ENCODE_BATCHES = (1, 4, 16)
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,18 @@ def closed_loop(
     return done / (time.perf_counter() - t)
 
 
-def measure(run: Path, load: Load) -> list[dict]:
-    """Rows of decoder, tau, concurrency, mode, lists_per_s (the median) and the runs it is the median of."""
+def encode_ms(reranker: Any, requests: list[RankRequest], batch: int, lists: int = 400) -> float:
+    """Milliseconds per list to encode prompts `batch` requests at a time (the serving thread encodes the requests
+    that arrived during a step together: at a few clients, one to a few)."""
+    t = time.perf_counter()
+    for i in range(0, lists, batch):
+        reranker.prompts([requests[(i + k) % len(requests)] for k in range(batch)])
+    return (time.perf_counter() - t) / lists * 1000
+
+
+def measure(run: Path, load: Load) -> dict:
+    """rows: decoder, tau, concurrency, mode, lists_per_s (the median) and the runs it is the median of;
+    encode_ms_per_list: per batch size, the median of the repeats."""
     _, df = split_lists(run, "test", 0)
     torch.set_num_threads(load.threads)  # (after split_lists, which sets the run's own)
     requests = [
@@ -105,7 +116,10 @@ def measure(run: Path, load: Load) -> list[dict]:
     for decoder, m in models.items():  # warm-up: the first forwards of each shape are slow
         closed_loop(m, decoder, requests, max(load.concurrency), 50, encode=False, max_batch=load.max_batch)
     rates: dict[tuple[str, int, str], list[float]] = {}
+    encode: dict[int, list[float]] = {}
     for _ in range(load.repeats):
+        for b in ENCODE_BATCHES:
+            encode.setdefault(b, []).append(encode_ms(models["diffusion"], requests, b))
         for c in load.concurrency:
             for mode in MODES:
                 for decoder, m in models.items():
@@ -115,7 +129,7 @@ def measure(run: Path, load: Load) -> list[dict]:
                     )
                     rates.setdefault((decoder, c, mode), []).append(rate)
     tau = models["diffusion"].decode_tau("diffusion", None)
-    return [
+    rows = [
         {
             "decoder": decoder,
             "tau": None if decoder == "ar" else tau,
@@ -126,6 +140,10 @@ def measure(run: Path, load: Load) -> list[dict]:
         }
         for (decoder, c, mode), r in rates.items()
     ]
+    return {
+        "rows": rows,
+        "encode_ms_per_list": {b: round(statistics.median(t), 3) for b, t in encode.items()},
+    }
 
 
 def markdown(res: dict) -> str:
@@ -145,6 +163,11 @@ def markdown(res: dict) -> str:
         for mode in MODES:
             a, d = rows[("ar", c, mode)]["lists_per_s"], rows[("diffusion", c, mode)]["lists_per_s"]
             lines.append(f"| {c} | {mode} | {a} | {d} | {d / a:.2f}x |")
+    enc = ", ".join(f"{ms} ms at {b}" for b, ms in res["encode_ms_per_list"].items())
+    lines += [
+        "",
+        f"Encoding a prompt (`GenerativeReranker.prompts`), per list, requests encoded together: {enc}.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -179,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
         provenance("analysis.stream_rate", argv, machine=True)
         | {"run": run_record(run, json.loads((run / "report.json").read_text()))}
         | asdict(load)
-        | {"rows": measure(run, load)}
+        | measure(run, load)
     )
     print_json(res, f"{args.out}.json" if args.out else None)
     if args.out:

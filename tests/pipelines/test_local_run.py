@@ -23,6 +23,7 @@ from analysis.pad_vs_group import main as pad_vs_group
 from analysis.rounds_check import main as rounds_check
 from analysis.speed_check import find_bundles
 from analysis.stream_check import main as stream_check
+from analysis.stream_rate import main as stream_rate
 from gr2.data import data_root
 from gr2.data.variants import VARIANTS, build_variant
 from pipelines.run_local import run_local, run_profile
@@ -179,6 +180,20 @@ def test_local_run_writes_report(tmp_path):
     for model in ("rl", "ar"):
         st = stream_check(["--run", str(tmp_path / "smoke"), "--model", model, "--limit", "24"])
         assert st["identical"] == st["lists"] > 0 and st["waves_joined"] > 0, st
+    # The decoding loop's rate without HTTP (analysis/stream_rate.py): a row per decoder, concurrency and mode,
+    # each the median of its runs, and the report that shows them side by side.
+    sr = stream_rate(
+        ["--run", str(tmp_path / "smoke"), "--concurrency", "2", "5", "--lists", "12", "--repeats", "2"]
+        + ["--out", str(tmp_path / "sr")]
+    )
+    got = {(r["decoder"], r["concurrency"], r["mode"]): r for r in sr["rows"]}
+    assert set(got) == {
+        (d, c, m) for d in ("ar", "diffusion") for c in (2, 5) for m in ("decode", "encode+decode")
+    }
+    assert all(len(r["runs"]) == 2 and r["lists_per_s"] > 0 for r in got.values())
+    assert got[("diffusion", 2, "decode")]["tau"] == tau and got[("ar", 2, "decode")]["tau"] is None
+    assert set(sr["encode_ms_per_list"]) == {1, 4, 16} and all(v > 0 for v in sr["encode_ms_per_list"].values())
+    assert "| 5 | encode+decode |" in (tmp_path / "sr.md").read_text()
     # Where the student's rounds go (analysis/rounds_check.py): on the speed rows' lists it counts the same
     # tokens per forward as the speed table.
     prof = run_profile(tmp_path / "smoke")

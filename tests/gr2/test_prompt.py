@@ -126,6 +126,21 @@ def test_encode_round_trip(tok, trace):
         assert parse_response(text).ranking == ranking
 
 
+@pytest.mark.parametrize("trace", [None, TRACE])
+def test_encoding_equals_the_tokenizers_own(tok, trace):
+    """gr2/prompt.py encodes our word-level vocabulary by a lookup per word: the ids the tokenizer itself gives
+    (lists of 2-10 candidates, histories of 0-20 items; out-of-vocabulary words: test_encode_rejects_...)."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        hist, cands, buckets = _example(rng, h=int(rng.integers(0, 21)), n=int(rng.integers(2, 11)))
+        ranking = [int(i) for i in rng.permutation(len(cands))]
+        p, r, _ = encode_example(tok, hist, cands, buckets, ranking, trace, FEATURE_NAMES)
+        prompt = render_prompt(hist, cands, buckets, FEATURE_NAMES)
+        assert p == [tok.bos_token_id, *tok(prompt, add_special_tokens=False)["input_ids"]]
+        response = render_response(trace, ranking)
+        assert r == [*tok(response, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+
+
 def test_render_response_accepts_letters():
     assert render_answer(["B", "A"]) == '{ "ranking" : [ "B" , "A" ] }'
     assert render_response(None, [1, 0]) == render_answer(["B", "A"])

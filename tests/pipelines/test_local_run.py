@@ -192,7 +192,9 @@ def test_local_run_writes_report(tmp_path):
     }
     assert all(len(r["runs"]) == 2 and r["lists_per_s"] > 0 for r in got.values())
     assert got[("diffusion", 2, "decode")]["tau"] == tau and got[("ar", 2, "decode")]["tau"] is None
-    assert set(sr["encode_ms_per_list"]) == {1, 4, 16} and all(v > 0 for v in sr["encode_ms_per_list"].values())
+    assert set(sr["encode_ms_per_list"]) == {1, 4, 16} and all(
+        v > 0 for v in sr["encode_ms_per_list"].values()
+    )
     assert "| 5 | encode+decode |" in (tmp_path / "sr.md").read_text()
     # Where the student's rounds go (analysis/rounds_check.py): on the speed rows' lists it counts the same
     # tokens per forward as the speed table.

@@ -30,9 +30,8 @@ from typing import Any
 import torch
 
 from analysis.output import print_json, provenance, run_record
-from analysis.speed_check import find_bundles, split_lists
+from analysis.speed_check import load_models, split_lists
 from gr2.inference import DTYPES, RankRequest
-from gr2.stages.evaluate import load as load_bundle
 from serving.schema import ServeConfig
 
 MODES = ("decode", "encode+decode")
@@ -109,10 +108,8 @@ def measure(run: Path, load: Load) -> dict:
     requests = [
         RankRequest("", list(c), list(h)) for h, c in zip(df["history"], df["candidates"], strict=True)
     ]
-    bundles = find_bundles(run, ["ar", "rl"])
-    models = {"ar": load_bundle(bundles["ar"]), "diffusion": load_bundle(bundles["rl"])}
-    models["ar"].cast(load.ar_dtype)
-    models["diffusion"].cast(load.dtype)
+    loaded = load_models(run, [f"ar:{load.ar_dtype}", f"rl:{load.dtype}"])
+    models = dict(zip(("ar", "diffusion"), loaded.values(), strict=True))
     for decoder, m in models.items():  # warm-up: the first forwards of each shape are slow
         closed_loop(m, decoder, requests, max(load.concurrency), 50, encode=False, max_batch=load.max_batch)
     rates: dict[tuple[str, int, str], list[float]] = {}

@@ -225,12 +225,11 @@ def encode_example(
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
+    # Our word-level vocabulary: a dict lookup per word, the same ids (tests/gr2/test_prompt.py). The serving
+    # thread encodes every request, and the tokenizer's call cost 0.1 ms a prompt.
     vocab = _word_vocab(tokenizer)
-    if (
-        vocab is not None
-    ):  # our word-level vocabulary: a dict lookup per word (the serving thread encodes each
-        # request: the tokenizer's call cost 0.1 ms a prompt; tests/gr2/test_prompt.py: the same ids)
-        unk = tokenizer.unk_token_id
+    if vocab is not None:
+        unk = tokenizer.unk_token_id  # (a property: read once, not per word)
         ids = [vocab.get(w, unk) for w in text.split()]
     else:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

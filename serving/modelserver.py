@@ -380,7 +380,7 @@ def start_model_server(
     logging.getLogger("kserve").addFilter(OneLineClientErrors())  # the logger kserve.errors' handlers use
     # enable_latency_logging off: kserve's "kserve.trace" line per request (requestId N.A. and the ms of each
     # phase) repeats what our histograms hold (serving/metrics.py), and at 32 clients its logging cost the event
-    # loop 4% of its time, on the core the decoding thread shares (docs/SERVING.md)
+    # loop 4% of its time, under the GIL the decoding thread needs too (docs/SERVING.md)
     server = kserve.ModelServer(
         http_port=http_port, enable_grpc=False, workers=1, enable_latency_logging=False
     )

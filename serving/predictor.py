@@ -27,7 +27,7 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from gr2.inference import DECODERS, Reranker, load_reranker
 from serving import metrics
-from serving.batcher import ContinuousBatcher, MicroBatcher, StreamingReranker
+from serving.batcher import ContinuousBatcher, MicroBatcher, ModelSource, StreamingReranker
 from serving.schema import (
     BadRequest,
     Request,
@@ -83,6 +83,7 @@ class RerankPredictor(kserve.Model):
         if (model_uri is None) == (reranker is None):
             raise ValueError("pass exactly one of model_uri or reranker")
         self.model_uri = model_uri
+        self.model_dir: Path | None = None  # where the model was loaded from (None: handed over loaded)
         self.reranker = reranker
         self.cfg = cfg or ServeConfig()
         self.batcher: ContinuousBatcher | MicroBatcher | None = None
@@ -92,7 +93,8 @@ class RerankPredictor(kserve.Model):
     def load(self) -> bool:
         if self.reranker is None:
             assert self.model_uri is not None  # __init__: exactly one of model_uri or reranker
-            self.reranker = load_reranker(fetch_model_dir(self.model_uri))
+            self.model_dir = fetch_model_dir(self.model_uri)
+            self.reranker = load_reranker(self.model_dir)
         cast = getattr(self.reranker, "cast", None)  # a generative model (the floor has no weights)
         if cast is not None:
             cast(self.cfg.dtype)
@@ -103,11 +105,25 @@ class RerankPredictor(kserve.Model):
         if spec_tau is not None:  # and its spec draft threshold the default tau of spec requests
             self.cfg = dataclasses.replace(self.cfg, default_spec_tau=float(spec_tau))
         if self.cfg.batching == "continuous" and isinstance(self.reranker, StreamingReranker):
-            self.batcher = ContinuousBatcher(self.reranker, self.cfg.max_batch)
+            self.batcher = ContinuousBatcher(self.reranker, self.cfg.max_batch, self.decoding_source())
         else:
             self.batcher = MicroBatcher(self.reranker.rank, self.cfg.max_batch, self.cfg.max_wait_ms)
         self.ready = True
         return self.ready
+
+    def decoding_source(self) -> ModelSource | None:
+        """What a decoding process loads (ServeConfig.decode_in "process"): this model's directory, dtype and
+        torch threads. None (decode in a thread) when asked for, or for a model handed over already loaded."""
+        if self.cfg.decode_in != "process" or self.model_dir is None:
+            return None
+        import torch  # (a streaming model is a torch model: already imported)
+
+        return ModelSource(str(self.model_dir), self.cfg.dtype, torch.get_num_threads())
+
+    def stop(self) -> None:
+        super().stop()
+        if isinstance(self.batcher, ContinuousBatcher):
+            self.batcher.close()
 
     async def healthy(self) -> bool:
         # ready = a model is loaded and its batcher runs (kserve's default only reads the flag)

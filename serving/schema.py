@@ -43,6 +43,9 @@ class BadRequest(ValueError):
         super().__init__(message)
         self.status = status
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled with its status (a decoding process sends it)
+        return type(self), (str(self), self.status)
+
 
 class UpstreamError(RuntimeError):
     """The predictor or the feature store failed (502 bad answer, 503 unreachable, 504 no answer in time)."""
@@ -51,8 +54,12 @@ class UpstreamError(RuntimeError):
         super().__init__(message)
         self.status = status
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled with its status (a decoding process sends it)
+        return type(self), (str(self), self.status)
+
 
 BATCHING = ("continuous", "micro")
+DECODE_IN = ("process", "thread")  # where continuous batching decodes (serving/batcher.py)
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,10 @@ class ServeConfig:
     # requests/s at 32 clients by a fifth on a CPU with bf16 units, at unchanged validation R@1 on Beauty, and slowed
     # AR (docs/SERVING.md); a new model is checked on its validation lists before serving it so.
     dtype: str = "float32"
+    # Where continuous batching decodes: "process" (a decoding process beside the HTTP server's, the default) or
+    # "thread" (of the server's process). A process lifted the requests/s at 32 clients by XX (docs/SERVING.md): in one
+    # process the event loop's Python and the decoding loop's take turns on one GIL.
+    decode_in: str = "process"
     max_instances: int = 64  # instances per HTTP request
     max_body_bytes: int = 256 * 1024  # larger client payloads get 413
     body_timeout_s: float = 10.0  # a body not fully received by then gets 408 (slow or half-sent bodies)
@@ -99,6 +110,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.batching not in BATCHING:
             raise ValueError(f"batching must be one of {list(BATCHING)}, got {self.batching!r}")
+        if self.decode_in not in DECODE_IN:
+            raise ValueError(f"decode_in must be one of {list(DECODE_IN)}, got {self.decode_in!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
 

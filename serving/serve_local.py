@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from gr2.inference import DTYPES
-from serving.schema import BATCHING, ServeConfig
+from serving.schema import BATCHING, DECODE_IN, ServeConfig
 
 log = logging.getLogger("serve_local")
 
@@ -168,6 +168,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_wait_ms", type=float, default=ServeConfig.max_wait_ms)
     p.add_argument("--batching", choices=BATCHING, default=ServeConfig.batching)
     p.add_argument(
+        "--decode_in",
+        choices=DECODE_IN,
+        default=ServeConfig.decode_in,
+        help="role predictor: continuous batching decodes in a process beside the server's (its own GIL) or in "
+        "a thread of it (docs/SERVING.md)",
+    )
+    p.add_argument(
         "--dtype",
         choices=DTYPES,
         default=ServeConfig.dtype,
@@ -265,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         max_batch=a.max_batch,
         max_wait_ms=a.max_wait_ms,
         batching=a.batching,
+        decode_in=a.decode_in,
         dtype=a.dtype,
         max_body_bytes=a.max_body_bytes,
         body_timeout_s=a.body_timeout_s,
@@ -301,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         str(a.max_wait_ms),
         "--batching",
         a.batching,
+        "--decode_in",
+        a.decode_in,
         "--dtype",
         a.dtype,
         "--torch_threads",

@@ -98,11 +98,11 @@ def test_a_request_that_arrives_during_a_decode_joins_it_and_a_short_list_leaves
         return s
 
     async def main():
-        b = ContinuousBatcher(reranker, max_rows=8)
-        b.reranker = type("Watched", (), {})()  # the reranker with its stream watched
+        watched = type("Watched", (), {})()  # the reranker with its stream watched
         for name in ("rank", "prompts", "stream_result"):
-            setattr(b.reranker, name, getattr(reranker, name))
-        b.reranker.stream = stream
+            setattr(watched, name, getattr(reranker, name))
+        watched.stream = stream
+        b = ContinuousBatcher(watched, max_rows=8)
         order: list[str] = []
 
         async def submit(req):
@@ -143,11 +143,11 @@ def test_a_failing_decode_step_or_request_fails_no_other(reranker, ml_slice):
         return s
 
     async def main():
-        b = ContinuousBatcher(reranker, max_rows=16)
-        b.reranker = type("Flaky", (), {})()
+        flaky = type("Flaky", (), {})()
         for name in ("rank", "prompts", "stream_result"):
-            setattr(b.reranker, name, getattr(reranker, name))
-        b.reranker.stream = stream
+            setattr(flaky, name, getattr(reranker, name))
+        flaky.stream = stream
+        b = ContinuousBatcher(flaky, max_rows=16)
         jobs = [b.submit(*s) for s in sent] + [b.submit(poison, "diffusion", 0.4)]
         return await asyncio.gather(*jobs, return_exceptions=True), b
 

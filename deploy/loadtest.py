@@ -33,7 +33,7 @@ from typing import Any
 from gr2.config import DiffusionConfig
 from gr2.inference import CONFIG_FILE, DTYPES, VERIFIER_DIR
 from gr2.report import git_sha, machine_info
-from serving.schema import BATCHING, ServeConfig
+from serving.schema import BATCHING, DECODE_IN, ServeConfig
 from serving.serve_local import running, wait_ready
 
 
@@ -267,6 +267,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"machine: {report['machine']}; git {report['git_sha']}; load average (1, 5, 15 min) before "
         f"{fmt_load(report['load_average']['before'])}, after {fmt_load(report['load_average']['after'])}; "
         f"max_batch {report.get('max_batch')}, torch threads per server {report.get('torch_threads', 0) or 'default'}"
+        + (f", continuous batching decodes in a {report['decode_in']}" if report.get("decode_in") else "")
         + dtypes(report),
         "",
         "| batching | decoder | tau | concurrency | p50 ms | p95 ms | p99 ms | req/s | errors | server: queue p50 ms "
@@ -303,7 +304,7 @@ def _server(a: argparse.Namespace, model_uri: str | None, batching: str, dtype: 
         return
     args = ["--role", "predictor", "--model_uri", model_uri, "--model_name", a.model_name]
     args += ["--max_batch", str(a.max_batch), "--max_wait_ms", str(a.max_wait_ms), "--batching", batching]
-    args += ["--torch_threads", str(a.torch_threads), "--dtype", dtype]
+    args += ["--torch_threads", str(a.torch_threads), "--dtype", dtype, "--decode_in", a.decode_in]
     with running(args, a.model_name) as url:
         yield url
 
@@ -349,6 +350,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=BATCHING,
         default=[ServeConfig.batching],
         help="the servers' batcher, the same for every decoder (serving/batcher.py); several: side by side",
+    )
+    ap.add_argument(
+        "--decode_in",
+        choices=DECODE_IN,
+        default=ServeConfig.decode_in,
+        help="where each server's continuous batching decodes: a process beside its HTTP process, or a thread of it",
     )
     ap.add_argument(
         "--torch_threads",
@@ -422,6 +429,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batching": a.batching,
         "max_batch": a.max_batch,
         "torch_threads": a.torch_threads,
+        "decode_in": None if a.url else a.decode_in,
         "dtype": None if a.url else {"model": a.dtype, "ar": a.ar_dtype},
         # the first batcher's ratios (the server's default when --batching is not given), then each batcher's
         "by_batching": {

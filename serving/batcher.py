@@ -411,6 +411,10 @@ class ContinuousBatcher:
         except RuntimeError:  # the request's event loop has closed: nobody waits for the answer
             pass
 
+    def _on_lost(self, row: _Row, code: int | None) -> None:
+        error = UpstreamError(f"the decoding process exited (code {code}) before answering", 503)
+        self._settle(row, lambda f: f.set_exception(error))
+
     # ------------------------------------------------------------------ a decoding process
     def _start_process(self) -> Any:
         """A new decoding process with a new inbox, once it has loaded the model; returns the end its answers
@@ -456,8 +460,7 @@ class ContinuousBatcher:
                 old, self.inbox = self.inbox, queue.SimpleQueue()
             old.stop()
             for row in lost.values():
-                error = UpstreamError(f"the decoding process exited (code {code}) before answering", 503)
-                self._settle(row, lambda f, e=error: f.set_exception(e))
+                self._on_lost(row, code)
             waiting = self.inbox
             while True:
                 try:
@@ -479,7 +482,8 @@ class _Feeder:
     pipe, which holds 64 KB where one request can be 256 KB)."""
 
     def __init__(self, conn: Any):
-        self.conn, self.queue = conn, queue.SimpleQueue()
+        self.conn = conn
+        self.queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         threading.Thread(target=self._feed, name="rank-jobs", daemon=True).start()
 
     def put(self, job: _Job | None) -> None:

@@ -6,16 +6,19 @@ no other request."""
 from __future__ import annotations
 
 import asyncio
+import os
+import pickle
 import random
+import signal
 import threading
 
 import pytest
 import torch
 
 from gr2.inference import RankRequest, load_reranker
-from serving.batcher import ContinuousBatcher
+from serving.batcher import ContinuousBatcher, ModelSource, portable
 from serving.predictor import RerankPredictor
-from serving.schema import ServeConfig
+from serving.schema import BadRequest, ServeConfig, UpstreamError
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +180,77 @@ def test_a_bfloat16_predictor_ranks_every_request_and_spec_stays_its_verifiers(m
             assert same(timed.result, alone(reranker, req, decoder, tau)), req
     with pytest.raises(ValueError, match="dtype must be one of"):
         ServeConfig(dtype="float16")
+
+
+# ---------------------------------------------------------------------------------------- a decoding process
+def test_a_decoding_process_gives_each_request_its_ranking_alone_and_each_failure_its_own(
+    model_dir, reranker, ml_slice
+):
+    """ServeConfig.decode_in "process" (the served default): the same rankings as decoding alone in this process,
+    from another process; a request with unknown ids fails alone, with its own error type and message."""
+    sent = requests_of(ml_slice, 24, seed=3)
+    poison = RankRequest("poison", ["no-such-item", "nor-this"], sent[1][0].history)
+    b = ContinuousBatcher(reranker, max_rows=5, source=ModelSource(str(model_dir)))
+    assert b.process.pid != os.getpid() and b.alive()
+    rng = random.Random(4)
+
+    async def client(req, decoder, tau):
+        await asyncio.sleep(rng.random() * 0.3)
+        return await b.submit(req, decoder, tau)
+
+    async def main():
+        jobs = [client(*s) for s in sent] + [client(poison, "diffusion", 0.4)]
+        return await asyncio.gather(*jobs, return_exceptions=True)
+
+    out = asyncio.run(main())
+    assert isinstance(out[-1], KeyError) and "unknown candidate" in str(out[-1])
+    for (req, decoder, tau), timed in zip(sent, out[:-1], strict=True):
+        assert same(timed.result, alone(reranker, req, decoder, tau)), (req, decoder, tau)
+    assert b.largest_batch > 1
+    b.close()
+    assert not b.process.is_alive()
+
+
+def test_a_killed_decoding_process_fails_only_the_requests_it_held_with_503_and_comes_back(
+    model_dir, reranker, ml_slice
+):
+    sent = requests_of(ml_slice, 6, seed=5)
+    b = ContinuousBatcher(reranker, max_rows=16, source=ModelSource(str(model_dir)))
+    first = b.process
+
+    async def main():
+        os.kill(first.pid, signal.SIGSTOP)  # frozen: what is sent now waits in its inbox
+        held = [asyncio.ensure_future(b.submit(*s)) for s in sent]
+        await asyncio.sleep(0.2)
+        os.kill(first.pid, signal.SIGKILL)
+        lost = await asyncio.gather(*held, return_exceptions=True)
+        after = await asyncio.wait_for(b.submit(*sent[0]), 120)  # a new process answers
+        return lost, after
+
+    lost, after = asyncio.run(main())
+    assert all(isinstance(e, UpstreamError) and e.status == 503 for e in lost), lost
+    assert "the decoding process exited" in str(lost[0])
+    assert b.process is not first and b.alive()
+    assert same(after.result, alone(reranker, *sent[0]))
+    b.close()
+
+
+def test_the_predictor_decodes_in_a_process_unless_told_otherwise(model_dir):
+    served = RerankPredictor("reranker", model_uri=str(model_dir))
+    served.load()
+    assert served.batcher.process is not None and served.batcher.alive()
+    served.stop()
+    assert not served.batcher.process.is_alive()
+    threaded = RerankPredictor("reranker", model_uri=str(model_dir), cfg=ServeConfig(decode_in="thread"))
+    threaded.load()
+    assert threaded.batcher.process is None and threaded.batcher.alive()
+    with pytest.raises(ValueError, match="decode_in must be one of"):
+        ServeConfig(decode_in="gpu")
+
+
+def test_errors_cross_to_the_server_with_their_status():
+    for error in (BadRequest("instances[0].candidates: unknown", 413), UpstreamError("upstream", 503)):
+        back = pickle.loads(pickle.dumps(portable(error)))
+        assert (type(back), str(back), back.status) == (type(error), str(error), error.status)
+    unpicklable = RuntimeError(lambda: 0)
+    assert isinstance(portable(unpicklable), RuntimeError) and "function" in str(portable(unpicklable))

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from gr2.config import DiffusionConfig
-from gr2.inference import CONFIG_FILE, DTYPES, VERIFIER_DIR
+from gr2.inference import CONFIG_FILE, VERIFIER_DIR
 from gr2.report import git_sha, machine_info
-from serving.schema import BATCHING, DECODE_IN, ServeConfig
+from serving.schema import BATCHING, DECODE_IN, SERVE_DTYPES, ServeConfig, serving_dtype
 from serving.serve_local import running, wait_ready
 
 
@@ -248,6 +248,14 @@ def bundle_tau(model_uri: str | None, key: str, given: float | None) -> float:
     return default if tau is None else tau
 
 
+def bundle_dtype(model_uri: str | None, asked: str) -> str:
+    """What a server started with --dtype `asked` decodes the bundle at `model_uri` in (`serving_dtype`: "auto"
+    reads the bundle's serve_dtype and this CPU's flags)."""
+    cfg = Path(model_uri) / CONFIG_FILE if model_uri else None
+    validated = json.loads(cfg.read_text()).get("serve_dtype") if cfg is not None and cfg.is_file() else None
+    return serving_dtype(asked, validated)
+
+
 def fmt_load(load: list[float]) -> str:
     return ", ".join(f"{x:.2f}" for x in load)
 
@@ -365,15 +373,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument(
         "--dtype",
-        choices=DTYPES,
+        choices=SERVE_DTYPES,
         default=ServeConfig.dtype,
-        help="what the --model_uri server decodes in (the diffusion and spec rows)",
+        help="what the --model_uri server decodes in (the diffusion and spec rows; auto: the bundle's validated "
+        "dtype where this CPU has bf16 units)",
     )
     ap.add_argument(
         "--ar_dtype",
-        choices=DTYPES,
+        choices=SERVE_DTYPES,
         default=ServeConfig.dtype,
-        help="what the AR rows' server decodes in (float32: AR's faster one on the CPUs measured, docs/SERVING.md)",
+        help="what the AR rows' server decodes in (auto: the AR teacher's bundle validates no bf16, so float32, "
+        "AR's faster one on the CPUs measured, docs/SERVING.md)",
     )
     ap.add_argument("--out", default="benchmarks/serving")
     ap.add_argument("--seed", type=int, default=0)
@@ -393,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         served = {}
         for batching, decoder in [(b, d) for b in a.batching for d in a.decoders]:
             uri = a.ar_model_uri if decoder == "ar" and a.ar_model_uri else a.model_uri
-            dtype = a.ar_dtype if decoder == "ar" else a.dtype
+            dtype = bundle_dtype(uri, a.ar_dtype if decoder == "ar" else a.dtype)
             url = stack.enter_context(_server(a, uri, batching, dtype))
             instances = load_instances(a.examples, uri, a.requests, a.n_candidates, a.seed)
             tau = (
@@ -430,7 +440,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "max_batch": a.max_batch,
         "torch_threads": a.torch_threads,
         "decode_in": None if a.url else a.decode_in,
-        "dtype": None if a.url else {"model": a.dtype, "ar": a.ar_dtype},
+        "dtype": None
+        if a.url
+        else {
+            "model": bundle_dtype(a.model_uri, a.dtype),
+            "ar": bundle_dtype(a.ar_model_uri or a.model_uri, a.ar_dtype),
+        },
         # the first batcher's ratios (the server's default when --batching is not given), then each batcher's
         "by_batching": {
             b: {"diffusion_vs_ar": compare(rows, "diffusion", b), "spec_vs_ar": compare(rows, "spec", b)}

@@ -105,6 +105,10 @@ class BundleConfig:
     # spec's draft threshold (diffusion.spec_tau): serving's default taus. None: not recorded (`operating_tau`).
     tau: float | None = None
     spec_tau: float | None = None
+    # What serving decodes in where bf16 pays (serving --dtype auto): "bfloat16" when the student in bf16 held the
+    # operating tau's rule on validation (gr2/stages/opd_rl.py `operating_tau`), "float32" when it did not.
+    # None: not judged (float32).
+    serve_dtype: str | None = None
     batch_size: int = 32  # `GenerativeReranker.decode`'s batch
     prompt: BundlePrompt = BundlePrompt()
     cold_start: dict | None = (
@@ -206,6 +210,7 @@ class GenerativeReranker:
         self.name, self.n_candidates, self.block_size = config.name, config.n_candidates, config.block_size
         self.tau = config.operating_tau()  # serving's default tau for this model (None: AR)
         self.spec_tau = config.draft_tau()  # and for its spec requests
+        self.serve_dtype = config.serve_dtype  # what serving --dtype auto may decode it in
         self.max_new_tokens, self.batch_size = config.max_new_tokens, config.batch_size
         # The ranker of users without usable history (gr2/stages/prepare.py fit_cold_start)
         self.cold_start = Teacher.from_dict(config.cold_start) if config.cold_start else None

@@ -171,6 +171,18 @@ def operating_tau_markdown(chosen: dict | None) -> list[str]:
             f"| {c['tau']:.2f} | {c['recall@1']:.3f} | {c['recall@1'] - ar['recall@1']:+.3f} "
             f"| {c['validity']:.3f} | {mark} |"
         ]
+    half = chosen.get("bfloat16")
+    if half:  # the same rule for the student in bf16 at that tau: serving --dtype auto may then use it
+        out += [
+            "",
+            f"In bfloat16 at tau {half['tau']:.2f}: R@1 {half['recall@1']:.3f} ({half['recall@1'] - ar['recall@1']:+.3f}), "
+            f"validity {half['validity']:.3f}: "
+            + (
+                "within the rule, so serving `--dtype auto` decodes it in bf16 on CPUs with bf16 units."
+                if half["within"]
+                else "not within the rule, so serving decodes it in float32."
+            ),
+        ]
     return out
 
 

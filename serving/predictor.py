@@ -36,6 +36,7 @@ from serving.schema import (
     parse_instance,
     reply,
     request_instances,
+    serving_dtype,
 )
 
 
@@ -96,8 +97,10 @@ class RerankPredictor(kserve.Model):
             self.model_dir = fetch_model_dir(self.model_uri)
             self.reranker = load_reranker(self.model_dir)
         cast = getattr(self.reranker, "cast", None)  # a generative model (the floor has no weights)
-        if cast is not None:
-            cast(self.cfg.dtype)
+        if cast is not None:  # (--dtype auto: the model's validated dtype where it pays, `serving_dtype`)
+            dtype = serving_dtype(self.cfg.dtype, getattr(self.reranker, "serve_dtype", None))
+            self.cfg = dataclasses.replace(self.cfg, dtype=dtype)
+            cast(dtype)
         tau = getattr(self.reranker, "tau", None)
         if tau is not None:  # a diffusion model's own operating point (its bundle's) is the default tau
             self.cfg = dataclasses.replace(self.cfg, default_tau=float(tau))

@@ -59,6 +59,33 @@ class UpstreamError(RuntimeError):
 
 
 BATCHING = ("continuous", "micro")
+BF16_UNITS = (
+    "amx_bf16",
+    "avx512_bf16",
+)  # CPU flags of the bf16 matrix / dot-product units bf16 was measured on
+
+
+def serving_dtype(asked: str, validated: str | None, cpu_flags: frozenset[str] | None = None) -> str:
+    """What a model is served in: `asked`, unless "auto": "bfloat16" when the model's bundle validated it
+    (`validated`, its serve_dtype) and this CPU has bf16 units (`cpu_flags`: /proc/cpuinfo's), else "float32"."""
+    if asked != "auto":
+        return asked
+    flags = cpu_flags if cpu_flags is not None else read_cpu_flags()
+    return "bfloat16" if validated == "bfloat16" and any(f in flags for f in BF16_UNITS) else "float32"
+
+
+def read_cpu_flags() -> frozenset[str]:
+    """This machine's CPU flags (Linux /proc/cpuinfo; none elsewhere)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return frozenset()
+    return frozenset(
+        w for line in text.splitlines() if line.startswith("flags") for w in line.split(":", 1)[1].split()
+    )
+
+
+SERVE_DTYPES = (*DTYPES, "auto")  # ServeConfig.dtype
 DECODE_IN = ("process", "thread")  # where continuous batching decodes (serving/batcher.py)
 
 
@@ -71,10 +98,11 @@ class ServeConfig:
     # How long the batcher waits to fill a batch after the first request. 0 = greedy: an idle server decodes a
     # request at once, and requests that arrive while a batch decodes form the next batch (serving/batcher.py).
     max_wait_ms: float = 0.0
-    # What a generative model decodes in (gr2/generative.py `cast`). bfloat16 raised the diffusion server's
-    # requests/s at 32 clients by a fifth on a CPU with bf16 units, at unchanged validation R@1 on Beauty, and slowed
-    # AR (docs/SERVING.md); a new model is checked on its validation lists before serving it so.
-    dtype: str = "float32"
+    # What a generative model decodes in (gr2/generative.py `cast`): "float32", "bfloat16", or "auto": bfloat16 where
+    # the model's bundle says it held its validation rule in bf16 (serve_dtype) and the CPU has bf16 units, else
+    # float32 (`serving_dtype`). There bf16 lifted the diffusion server's requests/s at 32 clients by a fifth and
+    # more, and slowed AR and one-list decodes a little (docs/SERVING.md).
+    dtype: str = "auto"
     # Where continuous batching decodes: "process" (a decoding process beside the HTTP server's, the default) or
     # "thread" (of the server's process). A process lifted the requests/s at 32 clients by XX (docs/SERVING.md): in one
     # process the event loop's Python and the decoding loop's take turns on one GIL.
@@ -112,8 +140,8 @@ class ServeConfig:
             raise ValueError(f"batching must be one of {list(BATCHING)}, got {self.batching!r}")
         if self.decode_in not in DECODE_IN:
             raise ValueError(f"decode_in must be one of {list(DECODE_IN)}, got {self.decode_in!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in SERVE_DTYPES:
+            raise ValueError(f"dtype must be one of {list(SERVE_DTYPES)}, got {self.dtype!r}")
 
     def forwarded_body_bytes(self) -> int:
         """The predictor's body limit: a client's max_body_bytes plus the histories the transformer adds from

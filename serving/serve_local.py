@@ -28,8 +28,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from gr2.inference import DTYPES
-from serving.schema import BATCHING, DECODE_IN, ServeConfig
+from serving.schema import BATCHING, DECODE_IN, SERVE_DTYPES, ServeConfig
 
 log = logging.getLogger("serve_local")
 
@@ -176,10 +175,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--dtype",
-        choices=DTYPES,
+        choices=SERVE_DTYPES,
         default=ServeConfig.dtype,
-        help="role predictor: what a generative model decodes in (bfloat16: faster diffusion under load on a CPU "
-        "with bf16 units, docs/SERVING.md)",
+        help="role predictor: what a generative model decodes in (auto: bfloat16 where its bundle validated it and "
+        "the CPU has bf16 units, where it is faster under load; else float32: docs/SERVING.md)",
     )
     p.add_argument(
         "--torch_threads",

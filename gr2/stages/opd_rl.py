@@ -14,6 +14,7 @@ out_dir/train/rollout_log.jsonl (truncated on resume like train_log.jsonl) and t
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import random
@@ -384,7 +385,8 @@ def operating_tau(student: GenerativeReranker, val: pd.DataFrame, profile: Profi
     diffusion.taus whose recall@1 on `val` (half of it cut to 2..N-1 candidates) is at least the AR teacher's on
     the same lists minus tau_margin, with validity >= gate.min_validity; the highest tau when none is. The AR
     teacher's answers are the `spec` decoder's (its tokens are the verifier's AR greedy ones). Returns the
-    choice and its curve; without a margin, validation lists or the verifier, the profile's eval_tau."""
+    choice, its curve, and the student in bfloat16 at the chosen tau under the same rule ("bfloat16": its
+    figures and "within"); without a margin, validation lists or the verifier, the profile's eval_tau."""
     dc = profile.diffusion
     if dc.tau_margin is None or val.empty or student.verifier is None:
         why = (
@@ -398,14 +400,20 @@ def operating_tau(student: GenerativeReranker, val: pd.DataFrame, profile: Profi
     lists = shorten_some(val, SHORT_VALIDATION_SHARE, profile.seed)
     labels = lists["label"].tolist()
 
-    def score(decoder: str, tau: float) -> dict[str, float]:
-        answers, _ = decode_answers(student, lists, decoder, tau, profile)
+    def score(decoder: str, tau: float, model: GenerativeReranker = student) -> dict[str, float]:
+        answers, _ = decode_answers(model, lists, decoder, tau, profile)
         hits = [a.ranking[0] == y for a, y in zip(answers, labels, strict=True)]
         return {"recall@1": float(np.mean(hits)), "validity": float(np.mean([a.valid for a in answers]))}
 
     ar = score("spec", dc.spec_tau)
     curve = [{"tau": t, **score("diffusion", t)} for t in sorted(dc.taus)]
     tau, within = choose_tau(ar, curve, dc.tau_margin, profile.gate.min_validity)
+    # The same student in bfloat16 at that tau, under the same rule: where it holds, serving may decode in bf16
+    # (serving/predictor.py `serving_dtype`: on CPUs with bf16 units, where it is faster under load).
+    half = GenerativeReranker(replace(student.bundle, model=copy.deepcopy(student.model)))
+    half.cast("bfloat16")
+    bf16: dict[str, Any] = {"tau": tau, **score("diffusion", tau, half)}
+    bf16["within"] = choose_tau(ar, [bf16], dc.tau_margin, profile.gate.min_validity)[1]
     return {
         "tau": tau,
         "chosen_by": "validation" if within else "validation: no tau within the margin, the highest",
@@ -415,6 +423,7 @@ def operating_tau(student: GenerativeReranker, val: pd.DataFrame, profile: Profi
         "min_validity": profile.gate.min_validity,
         "ar": ar,
         "curve": curve,
+        "bfloat16": bf16,
     }
 
 
@@ -485,18 +494,20 @@ def train_rl(
         "recall@1_rl": after,
         "kept": kept,
     }
-    tau = parent.config.tau
-    if bs > 0:  # the student's operating tau, on the weights it keeps
-        validation["operating_tau"] = operating_tau(
-            GenerativeReranker(replace(parent, model=model)), val, profile
-        )
-        tau = validation["operating_tau"]["tau"]
+    tau, serve_dtype = parent.config.tau, parent.config.serve_dtype
+    if bs > 0:  # the student's operating tau, on the weights it keeps (and whether bf16 holds it)
+        chosen = operating_tau(GenerativeReranker(replace(parent, model=model)), val, profile)
+        validation["operating_tau"] = chosen
+        tau = chosen["tau"]
+        if "bfloat16" in chosen:
+            serve_dtype = "bfloat16" if chosen["bfloat16"]["within"] else "float32"
     meta = replace(
         parent.config,
         name="rl" if bs > 0 else "ar",
         stage="rl" if bs > 0 else "sft+rl",
         parent=str(bundle),
         tau=tau,
+        serve_dtype=serve_dtype,
         rl_config=asdict(rc),
         train=_summary(res, out / "train"),
         validation=validation,

@@ -107,6 +107,18 @@ def test_local_run_writes_report(tmp_path):
     assert [(r["model"], r["tau"]) for r in rep["rows"] if r.get("operating")] == [("rl", tau)]
     assert {r["tau"] for r in rep["by_length"] if r["model"] == "rl"} == {tau}
     assert f"## Operating tau: {tau:.2f}" in (tmp_path / "smoke" / "report.md").read_text()
+    # and was judged in bfloat16 at that tau under the same rule: its bundles record what serving --dtype auto may
+    # decode it in, and keep float32 weights
+    half = chosen["bfloat16"]
+    assert half["tau"] == tau and 0 <= half["recall@1"] <= 1 and isinstance(half["within"], bool)
+    students = [f.parent for f in (tmp_path / "smoke").rglob("reranker.json")]
+    students = [d for d in students if json.loads((d / "reranker.json").read_text()).get("stage") == "rl"]
+    assert students
+    for d in students:
+        assert json.loads((d / "reranker.json").read_text())["serve_dtype"] == (
+            "bfloat16" if half["within"] else "float32"
+        )
+        assert json.loads((d / "model" / "config.json").read_text())["dtype"] == "float32"
     floor = rep["rows"][0]
     assert floor["delta_vs_floor"]["recall@1"] == [0.0, 0.0]
     # Hit rate = test examples / users with a test target (>= 2 interactions) in the slice.

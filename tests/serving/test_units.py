@@ -4,6 +4,8 @@ transformer's unknown-user / unknown-item policies against the real Feast online
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import threading
 
 import boto3
@@ -13,10 +15,10 @@ from kserve.errors import InvalidInput
 from moto.server import ThreadedMotoServer
 
 from components.artifact_store import open_store
-from gr2.inference import FloorReranker, RankRequest
+from gr2.inference import CONFIG_FILE, FloorReranker, RankRequest
 from serving.batcher import MicroBatcher
 from serving.predictor import RerankPredictor
-from serving.schema import BadRequest
+from serving.schema import BadRequest, ServeConfig, serving_dtype
 from serving.transformer import FeastTransformer, TransformerConfig
 
 
@@ -291,3 +293,34 @@ def test_serve_local_takes_the_edge_candidate_cap_from_a_local_model(tmp_path):
     assert model_candidates("s3://bucket/model") is None and model_candidates(str(tmp_path / "none")) is None
     a = parse_args(["--max_candidates", "12", "--idle_timeout_s", "3", "--header_timeout_s", "1.5"])
     assert (a.max_candidates, a.idle_timeout_s, a.header_timeout_s) == (12, 3, 1.5)
+
+
+def test_dtype_auto_serves_in_bfloat16_only_what_was_validated_so_on_a_cpu_with_bf16_units():
+    amx, plain = frozenset({"avx512f", "amx_bf16"}), frozenset({"avx2"})
+    assert serving_dtype("auto", "bfloat16", amx) == "bfloat16"
+    assert serving_dtype("auto", "bfloat16", frozenset({"avx512_bf16"})) == "bfloat16"
+    assert serving_dtype("auto", "bfloat16", plain) == "float32"  # no bf16 units: slower there
+    assert serving_dtype("auto", "float32", amx) == "float32"  # its bf16 did not hold on validation
+    assert serving_dtype("auto", None, amx) == "float32"  # not judged (AR teachers, older bundles)
+    assert (
+        serving_dtype("bfloat16", None, plain) == "bfloat16"
+        and serving_dtype("float32", "bfloat16", amx) == "float32"
+    )
+    assert ServeConfig().dtype == "auto"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ServeConfig(dtype="float16")
+
+
+def test_the_predictor_casts_its_model_to_the_dtype_auto_resolves(model_dir, tmp_path, monkeypatch):
+    import torch
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(model_dir, bundle)
+    cfg = json.loads((bundle / CONFIG_FILE).read_text())
+    (bundle / CONFIG_FILE).write_text(json.dumps({**cfg, "serve_dtype": "bfloat16"}))
+    thread = ServeConfig(decode_in="thread")
+    for flags, want in [({"amx_bf16"}, torch.bfloat16), ({"avx2"}, torch.float32)]:
+        monkeypatch.setattr("serving.schema.read_cpu_flags", lambda f=flags: frozenset(f))
+        p = RerankPredictor("reranker", model_uri=str(bundle), cfg=thread)
+        p.load()
+        assert next(p.reranker.model.parameters()).dtype == want and p.cfg.dtype == str(want).split(".")[1]

@@ -424,9 +424,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     asyncio.run(
                         measure(url, a.model_name, instances, key[1], tau, c, hi - lo, lo, samples[key])
                     )
-            for (batching, decoder), (uri, _, _, tau, dtype) in served.items():
+            for (batching, decoder), (uri, _, _, tau, served_in) in served.items():
                 row = {**summarize(decoder, tau, c, samples[batching, decoder]), "model_uri": uri}
-                row["batching"], row["dtype"] = batching, dtype
+                row["batching"], row["dtype"] = batching, served_in
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     # stable: per batcher and decoder, in concurrency order

@@ -96,9 +96,9 @@ serve: install ## serve the newest run's model on 127.0.0.1:8080 (predictor + Fe
 	@test -n "$(MODEL)" || { echo "no model: run 'make run' first or pass MODEL=<bundle dir>"; exit 2; }
 	$(PY) -m serving.serve_local --model_uri $(MODEL) $(if $(FEAST_REPO),--feast_repo $(FEAST_REPO))
 
-loadtest: install ## AR vs diffusion load test over HTTP on 127.0.0.1 -> benchmarks/serving.json/.md (DTYPE=bfloat16: the student in bf16 -> serving_bf16)
+loadtest: install ## AR vs diffusion load test over HTTP on 127.0.0.1 -> benchmarks/serving.json/.md (DTYPE=bfloat16|float32: the student forced to it -> serving_bf16|_fp32; default auto)
 	@test -n "$(MODEL)" || { echo "no model: run 'make run' first or pass MODEL=<bundle dir>"; exit 2; }
-	$(PY) -m deploy.loadtest --model_uri $(MODEL) $(if $(AR_MODEL),--ar_model_uri $(AR_MODEL)) $(if $(EXAMPLES),--examples $(EXAMPLES)) $(if $(DTYPE),--dtype $(DTYPE)) --out benchmarks/serving$(if $(filter bfloat16,$(DTYPE)),_bf16)
+	$(PY) -m deploy.loadtest --model_uri $(MODEL) $(if $(AR_MODEL),--ar_model_uri $(AR_MODEL)) $(if $(EXAMPLES),--examples $(EXAMPLES)) $(if $(DTYPE),--dtype $(DTYPE)) --out benchmarks/serving$(if $(filter bfloat16,$(DTYPE)),_bf16)$(if $(filter float32,$(DTYPE)),_fp32)
 
 # Images: <registry>/gr2, gr2-train-gpu, gr2-serve, tagged with the git sha (what `make compile` names).
 TAG ?= $(shell git rev-parse --short HEAD)

@@ -1,13 +1,14 @@
 """The batchers: concurrent requests are decoded together, off the event loop. Both answer `submit(request,
 decoder, tau) -> Timed`.
 
-`ContinuousBatcher` (the default for a generative model: ServeConfig.batching): continuous batching. A worker
-thread runs one running decode per (decoder, tau) (gr2/continuous.py `Stream`). A request joins its decode at the
-next block boundary (diffusion) or the next token (AR) and is answered as soon as its own row has finished, so it
-waits neither for a batch to fill, nor for the batch before it, nor for its slowest batch mate; its latency counts
-from its own arrival. Requests that do not stream (spec, and cold-start users, whom no decoder ranks) share one
-`rank()` call per worker turn. When a decode step fails, each of its requests runs
-alone through `rank()`, so a request that fails fails only itself.
+`ContinuousBatcher` (the default for a generative model: ServeConfig.batching): continuous batching. Its worker
+(`StreamWorker`, in a decoding process of its own by default: ServeConfig.decode_in) runs one running decode per
+(decoder, tau) (gr2/continuous.py `Stream`). A request joins its decode at the next block boundary (diffusion) or
+the next token (AR) and is answered as soon as its own row has finished, so it waits neither for a batch to fill,
+nor for the batch before it, nor for its slowest batch mate; its latency counts from its own arrival. Requests
+that do not stream (spec, and cold-start users, whom no decoder ranks) share one `rank()` call per worker turn.
+When a decode step fails, each of its requests runs alone through `rank()`, so a request that fails fails only
+itself; when the decoding process dies, the requests it held get 503 and a new one starts.
 
 `MicroBatcher` (models without streams, such as the floor, and ServeConfig.batching "micro"), below:
 

@@ -40,7 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from gr2.inference import RankRequest, RankResult
 from serving import metrics
-from serving.schema import UpstreamError
+from serving.schema import PrintableLogs, UpstreamError
 
 log = logging.getLogger(__name__)
 RankFn = Callable[[list[RankRequest], str, float], list[RankResult]]
@@ -446,36 +446,43 @@ class ContinuousBatcher:
         another."""
         while True:
             try:
-                self._on_event(answers.recv())
-                continue
+                event = answers.recv()
             except (EOFError, OSError):
                 if self.closing:
                     return
-            self.process.join(5)
-            code = self.process.exitcode
-            log.error(
-                "the decoding process exited (code %s): its requests fail with 503; restarting it", code
-            )
-            with self.lock:  # requests from now on wait in the new process's inbox
-                lost, self.pending = self.pending, {}
-                old, self.inbox = self.inbox, queue.SimpleQueue()
-            old.stop()
-            for row in lost.values():
-                self._on_lost(row, code)
-            waiting = self.inbox
+                answers = self._restart()
+                continue
+            try:
+                self._on_event(event)
+            except Exception:  # never let this thread die: every other request still needs its answer
+                log.exception("an answer of the decoding process could not be delivered")
+
+    def _restart(self) -> Any:
+        """After the decoding process died: its requests fail with 503, a new process starts (retried every 5 s
+        until it does), and what was sent meanwhile goes to it. Returns the new process's answers end."""
+        self.process.join(5)
+        code = self.process.exitcode
+        log.error("the decoding process exited (code %s): its requests fail with 503; restarting it", code)
+        with self.lock:  # requests from now on wait here until the new process runs
+            lost, self.pending = self.pending, {}
+            old, self.inbox = self.inbox, queue.SimpleQueue()
+        old.stop()
+        for row in lost.values():
+            self._on_lost(row, code)
+        waiting = self.inbox
+        while True:
+            try:
+                answers = self._start_process()
+                break
+            except Exception:
+                log.exception("restarting the decoding process failed; trying again in 5 s")
+                time.sleep(5)
+        with self.lock:
             while True:
                 try:
-                    answers = self._start_process()
-                    break
-                except Exception:
-                    log.exception("restarting the decoding process failed; trying again in 5 s")
-                    time.sleep(5)
-            with self.lock:  # what queued during the restart goes to the new process
-                while True:
-                    try:
-                        self.inbox.put(waiting.get_nowait())
-                    except queue.Empty:
-                        break
+                    self.inbox.put(waiting.get_nowait())
+                except queue.Empty:
+                    return answers
 
 
 class _Feeder:
@@ -508,6 +515,10 @@ def decode_process(source: ModelSource, max_rows: int, inbox: Any, out: Any) -> 
 
     from gr2.inference import load_reranker
 
+    # the server's log format, with a client's text escaped as in the server's process (serving/modelserver.py)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(PrintableLogs())
     torch.set_num_threads(source.torch_threads)
     try:
         reranker = load_reranker(source.path)

@@ -28,7 +28,16 @@ from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from serving import metrics
-from serving.schema import BadRequest, ServeConfig, UpstreamError, cut, printable, shown, validate_body
+from serving.schema import (
+    BadRequest,
+    PrintableLogs,
+    ServeConfig,
+    UpstreamError,
+    cut,
+    printable,
+    shown,
+    validate_body,
+)
 
 log = logging.getLogger("serving.edge")
 
@@ -138,19 +147,6 @@ class BoundedH11Protocol(H11Protocol):
         metrics.observe_rejected(status)
         self.transport.write(raw_response(status, message))
         self.transport.close()
-
-
-class PrintableLogs(logging.Filter):
-    """Escapes the client's text in every log line (`printable`): a URL path with %0A reached kserve's timing
-    log decoded (`drop_kserve_timing` now leaves it out), and a field name or path could otherwise start a forged
-    line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str):
-            record.msg = printable(record.msg)
-        if isinstance(record.args, tuple):
-            record.args = tuple(printable(a) if isinstance(a, str) else a for a in record.args)
-        return True
 
 
 def escape_all_logs() -> None:

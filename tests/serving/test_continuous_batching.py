@@ -10,7 +10,11 @@ import os
 import pickle
 import random
 import signal
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -254,3 +258,41 @@ def test_errors_cross_to_the_server_with_their_status():
         assert (type(back), str(back), back.status) == (type(error), str(error), error.status)
     unpicklable = RuntimeError(lambda: 0)
     assert isinstance(portable(unpicklable), RuntimeError) and "function" in str(portable(unpicklable))
+
+
+SERVER_SCRIPT = """
+import sys, time
+from gr2.inference import load_reranker
+from serving.batcher import ContinuousBatcher, ModelSource
+
+if __name__ == "__main__":
+    b = ContinuousBatcher(load_reranker(sys.argv[1]), 4, ModelSource(sys.argv[1]))
+    print(b.process.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_a_decoding_process_whose_server_was_killed_exits(model_dir, tmp_path):
+    script = tmp_path / "server.py"
+    script.write_text(SERVER_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    server = subprocess.Popen(
+        [sys.executable, str(script), str(model_dir)], stdout=subprocess.PIPE, cwd=root, env=env
+    )
+    decoder = int(server.stdout.readline())
+    assert running(decoder)
+    server.kill()  # no goodbye: no atexit, no close()
+    server.wait()
+    deadline = time.monotonic() + 30
+    while running(decoder) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(decoder)

@@ -27,7 +27,8 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from gr2.inference import DECODERS, Reranker, load_reranker
 from serving import metrics
-from serving.batcher import ContinuousBatcher, MicroBatcher, ModelSource, StreamingReranker
+from serving.batcher import ContinuousBatcher, MicroBatcher
+from serving.decoding import ModelSource, StreamingReranker
 from serving.schema import (
     BadRequest,
     Request,

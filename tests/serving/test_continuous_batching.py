@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from gr2.inference import RankRequest, load_reranker
-from serving.batcher import ContinuousBatcher, ModelSource, portable
+from serving.batcher import ContinuousBatcher
+from serving.decoding import ModelSource, portable
 from serving.predictor import RerankPredictor
 from serving.schema import BadRequest, ServeConfig, UpstreamError
 
@@ -263,7 +264,8 @@ def test_errors_cross_to_the_server_with_their_status():
 SERVER_SCRIPT = """
 import sys, time
 from gr2.inference import load_reranker
-from serving.batcher import ContinuousBatcher, ModelSource
+from serving.batcher import ContinuousBatcher
+from serving.decoding import ModelSource
 
 if __name__ == "__main__":
     b = ContinuousBatcher(load_reranker(sys.argv[1]), 4, ModelSource(sys.argv[1]))

@@ -187,13 +187,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     run = Path(args.run).resolve()
     load = Load(
-        tuple(args.concurrency),
-        args.lists,
-        args.repeats,
-        args.dtype,
-        args.ar_dtype,
-        args.max_batch,
-        args.threads,
+        concurrency=tuple(args.concurrency),
+        lists=args.lists,
+        repeats=args.repeats,
+        dtype=args.dtype,
+        ar_dtype=args.ar_dtype,
+        max_batch=args.max_batch,
+        threads=args.threads,
     )
     res = (
         provenance("analysis.stream_rate", argv, machine=True)

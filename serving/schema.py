@@ -20,6 +20,7 @@ import math
 import re
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gr2.config import DiffusionConfig
@@ -60,10 +61,8 @@ class UpstreamError(RuntimeError):
 
 
 BATCHING = ("continuous", "micro")
-BF16_UNITS = (
-    "amx_bf16",
-    "avx512_bf16",
-)  # CPU flags of the bf16 matrix / dot-product units bf16 was measured on
+# CPU flags of the bf16 matrix / dot-product units bf16 was measured on
+BF16_UNITS = ("amx_bf16", "avx512_bf16")
 
 
 def serving_dtype(asked: str, validated: str | None, cpu_flags: frozenset[str] | None = None) -> str:
@@ -78,7 +77,7 @@ def serving_dtype(asked: str, validated: str | None, cpu_flags: frozenset[str] |
 def read_cpu_flags() -> frozenset[str]:
     """This machine's CPU flags (Linux /proc/cpuinfo; none elsewhere)."""
     try:
-        text = open("/proc/cpuinfo").read()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
     return frozenset(

@@ -52,6 +52,9 @@ from serving.schema import UpstreamError
 
 log = logging.getLogger(__name__)
 RankFn = Callable[[list[RankRequest], str, float], list[RankResult]]
+# How long a decoding process may take to load its model (a pretrained backbone from a slow disk included) before
+# it is killed and the start fails (at a restart: tried again).
+START_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -254,12 +257,17 @@ class ContinuousBatcher:
         process.start()
         out.close()  # the child holds the only writing end: its exit reads as EOF here
         jobs.close()  # likewise its reading end of the inbox
+        kind, message = "error", f"it did not load the model within {START_TIMEOUT_S:.0f} s"
         try:
-            kind, message = answers.recv()
+            if answers.poll(START_TIMEOUT_S):  # a process stuck loading must not hold the server for ever
+                kind, message = answers.recv()
         except EOFError:
             process.join(5)
-            kind, message = "error", f"it exited with code {process.exitcode}"
+            message = f"it exited with code {process.exitcode}"
         if kind != "ready":
+            if process.is_alive():
+                process.kill()
+                process.join(5)
             raise RuntimeError(f"the decoding process could not start: {message}")
         self.inbox, self.process = _Feeder(inbox), process
         return answers

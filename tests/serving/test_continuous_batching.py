@@ -228,7 +228,7 @@ def test_a_killed_decoding_process_fails_only_the_requests_it_held_with_503_and_
         held = [asyncio.ensure_future(b.submit(*s)) for s in sent]
         await asyncio.sleep(0.2)
         os.kill(first.pid, signal.SIGKILL)
-        lost = await asyncio.gather(*held, return_exceptions=True)
+        lost = await asyncio.wait_for(asyncio.gather(*held, return_exceptions=True), 60)
         after = await asyncio.wait_for(b.submit(*sent[0]), 120)  # a new process answers
         return lost, after
 
@@ -238,6 +238,23 @@ def test_a_killed_decoding_process_fails_only_the_requests_it_held_with_503_and_
     assert b.process is not first and b.alive()
     assert same(after.result, alone(reranker, *sent[0]))
     b.close()
+
+
+def test_a_decoding_process_stuck_loading_fails_the_start_and_is_killed(model_dir, tmp_path, monkeypatch):
+    import multiprocessing
+    import shutil
+
+    import serving.batcher
+
+    stuck = shutil.copytree(model_dir, tmp_path / "model")
+    (stuck / "sids.json").unlink()
+    os.mkfifo(stuck / "sids.json")  # opening it blocks until a writer comes: none will
+    monkeypatch.setattr(serving.batcher, "START_TIMEOUT_S", 3.0)
+    before = set(multiprocessing.active_children())
+    with pytest.raises(RuntimeError, match="did not load the model within 3 s"):
+        # (only the decoding process's start is under test: the server's own model copy is not used)
+        ContinuousBatcher(object(), max_rows=4, source=ModelSource(str(stuck)))  # type: ignore[arg-type]
+    assert set(multiprocessing.active_children()) == before  # killed and reaped, not left behind
 
 
 def test_the_predictor_decodes_in_a_process_unless_told_otherwise(model_dir):

@@ -81,7 +81,7 @@ class StreamWorker:
         while True:
             try:
                 self.turn()
-            except Exception:  # never let the worker die: every job in hand was answered or failed
+            except Exception:  # never let the worker die (each job in hand is answered or failed: _answer)
                 log.exception("continuous batcher turn failed")
 
     def turn(self) -> None:
@@ -134,7 +134,7 @@ class StreamWorker:
             self.streams[key].add(job.key, prompt)
             self.jobs[job.key] = job
         except Exception as e:  # this request's own failure (its ids, its options)
-            self.emit(("fail", job.key, e))
+            self._answer(job, e, 0)
         return True
 
     def _step(self, key: tuple[str, float | None], stream: Any) -> None:
@@ -154,14 +154,15 @@ class StreamWorker:
         for job in joined:
             job.t_join = t0
         if joined:
-            self.emit(("batch", key[0], [t0 - job.t_enqueue for job in joined]))
+            self._report_batch(key[0], [t0 - job.t_enqueue for job in joined])
         batch = stream.running + len(finished)
         for f in finished:
             job = self.jobs.pop(f.key)
             try:
-                self._answer(job, self.reranker.stream_result(job.request, f.tokens, f.nfe), batch)
+                result: RankResult | Exception = self.reranker.stream_result(job.request, f.tokens, f.nfe)
             except Exception as e:
-                self.emit(("fail", job.key, e))
+                result = e
+            self._answer(job, result, batch)
 
     def _rank_together(self, jobs: list[Job]) -> None:
         """Requests that do not stream (spec, cold start): one rank() call per (decoder, tau), else each alone."""
@@ -172,9 +173,11 @@ class StreamWorker:
             t0 = time.perf_counter()
             for job in group:
                 job.t_join = t0
-            self.emit(("batch", decoder, [t0 - job.t_enqueue for job in group]))
+            self._report_batch(decoder, [t0 - job.t_enqueue for job in group])
             try:
                 results = self.reranker.rank([job.request for job in group], decoder, tau)
+                if len(results) != len(group):
+                    raise RuntimeError(f"rank() returned {len(results)} results for {len(group)} requests")
             except Exception:
                 log.exception("rank() failed for a batch of %d: each request runs alone", len(group))
                 for job in group:
@@ -185,16 +188,32 @@ class StreamWorker:
 
     def _rank_alone(self, job: Job) -> None:
         try:
-            self._answer(job, self.reranker.rank([job.request], job.decoder, job.tau)[0], 1)
+            result: RankResult | Exception = self.reranker.rank([job.request], job.decoder, job.tau)[0]
         except Exception as e:
-            self.emit(("fail", job.key, e))
+            result = e
+        self._answer(job, result, 1)
 
-    def _answer(self, job: Job, result: RankResult, batch: int) -> None:
+    def _report_batch(self, decoder: str, waits: list[float]) -> None:
+        try:  # (metrics only: never at the cost of an answer)
+            self.emit(("batch", decoder, waits))
+        except Exception:
+            log.exception("a %s batch's metrics could not be sent", decoder)
+
+    def _answer(self, job: Job, result: RankResult | Exception, batch: int) -> None:
+        """The job's answer (or its failure). Never raises: a job in hand that is neither answered nor failed would
+        leave its client waiting for ever."""
         t1 = time.perf_counter()
         t_join = job.t_join if job.t_join is not None else t1
-        self.emit(
-            ("done", job.key, Timed(result, (t_join - job.t_enqueue) * 1000, (t1 - t_join) * 1000, batch))
-        )
+        try:
+            if isinstance(result, Exception):
+                raise result
+            timed = Timed(result, (t_join - job.t_enqueue) * 1000, (t1 - t_join) * 1000, batch)
+            self.emit(("done", job.key, timed))
+        except Exception as e:
+            try:
+                self.emit(("fail", job.key, e))
+            except Exception:  # (the server has gone: nobody waits for this answer)
+                log.exception("request %s: neither its answer nor its failure could be sent", job.key)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import queue
 import random
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import torch
 
 from gr2.inference import RankRequest, load_reranker
 from serving.batcher import ContinuousBatcher
-from serving.decoding import ModelSource, portable
+from serving.decoding import Job, ModelSource, StreamWorker, portable
 from serving.predictor import RerankPredictor
 from serving.schema import BadRequest, ServeConfig, UpstreamError
 
@@ -268,6 +269,35 @@ def test_the_predictor_decodes_in_a_process_unless_told_otherwise(model_dir):
     assert threaded.batcher.process is None and threaded.batcher.alive()
     with pytest.raises(ValueError, match="decode_in must be one of"):
         ServeConfig(decode_in="gpu")
+
+
+def test_an_answer_that_cannot_be_sent_fails_its_request_and_no_other(reranker, ml_slice):
+    """A decoding process sends each answer pickled; one that cannot be sent must fail its own request, not vanish
+    (its client would wait for ever) nor take its batch mates with it."""
+    sent = requests_of(ml_slice, 10, seed=11)
+
+    class Inbox(queue.SimpleQueue):
+        def get(self, block=True, timeout=None):
+            if self.empty():  # the worker would idle with jobs unanswered: one was lost
+                raise AssertionError("the worker waits for new jobs while some were never answered")
+            return self.get_nowait()
+
+    inbox = Inbox()
+    for key, (req, decoder, tau) in enumerate(sent):
+        inbox.put(Job(key, req, decoder, tau, time.perf_counter()))
+    outcome = {}
+
+    def emit(event):
+        kind, key, _ = event
+        if kind == "done" and key in (3, 4):
+            raise pickle.PicklingError("cannot pickle the answer")
+        if kind != "batch":
+            outcome[key] = kind
+
+    worker = StreamWorker(reranker, 16, inbox, emit)
+    while len(outcome) < len(sent):
+        worker.turn()
+    assert outcome == {key: "fail" if key in (3, 4) else "done" for key in range(len(sent))}
 
 
 def test_errors_cross_to_the_server_with_their_status():

@@ -234,8 +234,6 @@ class Stream:
         """New rows whose responses start at column s0: their prompts end there (module docstring)."""
         d, cfg, s0 = self.d, self.cfg, self.s0
         assert d is not None
-        # The cache holds the columns before the next step's first fed column: the prompt tail fed with it.
-        fed = cfg.block_size if cfg.block_size > 0 else 1
         grow = max(len(p) for p in prompts) - (d.P + s0)
         if grow > 0:  # a prompt longer than the room before s0: pad every running row on the left
             self.pad_left(grow)
@@ -258,7 +256,11 @@ class Stream:
         new.seq[:, P : P + s0] = ids[:, P:]  # the prompts' tails, before their responses
         # Their prefill: every column the cache holds (before the fed ones).
         cache = DynamicCache()
-        stop = P + s0 - fed
+        # Their prefill stops where the running rows' cache does; the next step feeds the columns after it, the new
+        # rows' prompt tails among them. AR: every step fed its token, so the cache ends one column before s0.
+        # Diffusion: at the last block that had a forward, which is not always the block before s0 (a block the
+        # layout gives whole has none).
+        stop = P + (self.rounds.kv.stored if self.rounds is not None else s0 - 1)
         self.model(
             input_ids=new.seq[:, :stop],
             attention_mask=new.attn[:, :stop],

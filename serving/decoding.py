@@ -64,6 +64,11 @@ class Job:
     t_join: float | None = None  # when its decode step began (None: still queued)
 
 
+def stream_key(job: Job) -> tuple[str, float | None]:
+    """The running decode a streamed job joins: one per decoder and tau (AR has no tau)."""
+    return job.decoder, None if job.decoder == "ar" else job.tau
+
+
 # What the worker reports, in order: ("done", key, Timed), ("fail", key, exception), ("batch", decoder, waits).
 Event = tuple[str, Any, Any]
 
@@ -128,7 +133,7 @@ class StreamWorker:
                 raise prompt
             if prompt is None:
                 return False
-            key = (job.decoder, None if job.decoder == "ar" else job.tau)
+            key = stream_key(job)
             if key not in self.streams:
                 self.streams[key] = self.reranker.stream(job.decoder, key[1], self.max_rows)
             self.streams[key].add(job.key, prompt)
@@ -142,8 +147,10 @@ class StreamWorker:
         try:
             finished = stream.step()
         except Exception:
-            log.exception("a %s decode step failed for %d requests: each runs alone", key[0], len(stream))
-            jobs = [self.jobs.pop(k) for k in [*stream.keys, *(k for k, _ in stream.queue)]]
+            # Every job of this stream, not only the rows it lists: a step that failed while rows joined holds
+            # them in neither its queue nor its rows.
+            jobs = [self.jobs.pop(k) for k in [k for k, job in self.jobs.items() if stream_key(job) == key]]
+            log.exception("a %s decode step failed for %d requests: each runs alone", key[0], len(jobs))
             del self.streams[key]  # its state is not trusted any more; the next request starts a new one
             for job in jobs:
                 job.t_join = job.t_join or t0

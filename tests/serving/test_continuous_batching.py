@@ -131,24 +131,65 @@ def test_a_request_that_arrives_during_a_decode_joins_it_and_a_short_list_leaves
     assert order[0] == "short"  # 2 candidates: it left while the 10-candidate lists still decoded
 
 
-def test_a_failing_decode_step_or_request_fails_no_other(reranker, ml_slice):
+def test_rows_join_after_a_block_the_layout_gave_whole(reranker, ml_slice):
+    """The served bundle's layout gives some blocks whole (no forward: the cache stops a block earlier than the
+    one before s0). Rows that join then are prefilled to where the cache stops, and get their tokens alone; they
+    failed the step before (a cache of another length)."""
+    items = list(ml_slice["items"]["item_id"])
+    users = [u for u in ml_slice["history"] if ml_slice["history"][u]]
+    joined_after_a_given_block = 0
+    for seed in range(30):
+        rng = random.Random(seed)
+        reqs = [
+            RankRequest(
+                u, rng.sample(items, rng.randint(2, 10)), ml_slice["history"][u][: rng.randint(1, 30)]
+            )
+            for u in (users[k % len(users)] for k in range(12))
+        ]
+        prompts, tau = reranker.prompts(reqs), rng.choice([0.4, 0.9])
+        stream, sent, got = reranker.stream("diffusion", tau, rng.choice([3, 5])), 0, {}
+        while len(got) < len(reqs):
+            for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
+                if sent < len(reqs):
+                    stream.add(sent, prompts[sent])
+                    sent += 1
+            rounds = stream.rounds
+            if (
+                stream.queue
+                and rounds is not None
+                and 0 <= rounds.kv.stored < stream.s0 - stream.cfg.block_size
+            ):
+                joined_after_a_given_block += 1
+            got.update((f.key, f) for f in stream.step())
+        for k, req in enumerate(reqs):
+            assert same(
+                reranker.stream_result(req, got[k].tokens, got[k].nfe), alone(reranker, req, "diffusion", tau)
+            )
+    assert joined_after_a_given_block > 0  # the case under test happened
+
+
+@pytest.mark.parametrize("where", ["step", "join"])
+def test_a_failing_decode_step_or_request_fails_no_other(reranker, ml_slice, where):
+    """A decode step that fails ("join": while rows joined, after they had left the stream's queue) sends each of
+    its requests through rank() alone; a request with unknown ids fails alone."""
     sent = requests_of(ml_slice, 8, seed=2)
     sent = [(r, "diffusion", 0.4) for r, _, _ in sent]
     poison = RankRequest("poison", ["no-such-item", "nor-this"], sent[1][0].history)  # (a warm user)
     make, failed = reranker.stream, []
 
-    def stream(decoder, tau, max_rows):  # the first stream's second step raises
+    def stream(decoder, tau, max_rows):  # the first stream's second step, or its first join, raises
         s = make(decoder, tau, max_rows)
-        step, calls = s.step, []
+        name = "step" if where == "step" else "merge"
+        real, calls = getattr(s, name), []
 
-        def flaky():
+        def flaky(*args):
             calls.append(1)
-            if len(calls) == 2 and not failed:
+            if len(calls) == (2 if where == "step" else 1) and not failed:
                 failed.append(1)
-                raise RuntimeError("a decode step failed")
-            return step()
+                raise RuntimeError(f"a decode {where} failed")
+            return real(*args)
 
-        s.step = flaky
+        setattr(s, name, flaky)
         return s
 
     async def main():
@@ -156,9 +197,9 @@ def test_a_failing_decode_step_or_request_fails_no_other(reranker, ml_slice):
         for name in ("rank", "prompts", "stream_result"):
             setattr(flaky, name, getattr(reranker, name))
         flaky.stream = stream
-        b = ContinuousBatcher(flaky, max_rows=16)
+        b = ContinuousBatcher(flaky, max_rows=3)  # (8 requests, 3 rows: the others join as rows leave)
         jobs = [b.submit(*s) for s in sent] + [b.submit(poison, "diffusion", 0.4)]
-        return await asyncio.gather(*jobs, return_exceptions=True), b
+        return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 120), b
 
     out, b = asyncio.run(main())
     assert failed and isinstance(out[-1], KeyError) and "unknown candidate" in str(out[-1])

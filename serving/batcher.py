@@ -125,6 +125,7 @@ class MicroBatcher:
                     await self._decode(items, decoder, tau)
                 except Exception:  # any failure of the shared call: each request alone, below
                     log.exception("rank() failed for a batch of %d: each request runs alone", len(items))
+                    metrics.SHARED_FAILURES.labels(decoder).inc()
                     for it in items:  # one request's failure (or shape) never fails another's
                         try:
                             await self._decode([it], decoder, tau)
@@ -218,6 +219,9 @@ class ContinuousBatcher:
         if kind == "batch":
             metrics.observe_batch(key, value)
             return
+        if kind == "shared_failed":
+            metrics.SHARED_FAILURES.labels(key).inc()
+            return
         row = self.pending.pop(key, None)
         if row is None:
             return
@@ -294,6 +298,7 @@ class ContinuousBatcher:
         self.process.join(5)
         code = self.process.exitcode
         log.error("the decoding process exited (code %s): its requests fail with 503; restarting it", code)
+        metrics.PROCESS_RESTARTS.inc()
         with self.lock:  # requests from now on wait here until the new process runs
             lost, self.pending = self.pending, {}
             old, self.inbox = self.inbox, queue.SimpleQueue()

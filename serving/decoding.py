@@ -69,7 +69,8 @@ def stream_key(job: Job) -> tuple[str, float | None]:
     return job.decoder, None if job.decoder == "ar" else job.tau
 
 
-# What the worker reports, in order: ("done", key, Timed), ("fail", key, exception), ("batch", decoder, waits).
+# What the worker reports, in order: ("done", key, Timed), ("fail", key, exception), ("batch", decoder, waits),
+# ("shared_failed", decoder, requests): a shared step or rank() call failed and its requests run alone.
 Event = tuple[str, Any, Any]
 
 
@@ -151,6 +152,7 @@ class StreamWorker:
             # them in neither its queue nor its rows.
             jobs = [self.jobs.pop(k) for k in [k for k, job in self.jobs.items() if stream_key(job) == key]]
             log.exception("a %s decode step failed for %d requests: each runs alone", key[0], len(jobs))
+            self._report(("shared_failed", key[0], len(jobs)))
             del self.streams[key]  # its state is not trusted any more; the next request starts a new one
             for job in jobs:
                 job.t_join = job.t_join or t0
@@ -161,7 +163,7 @@ class StreamWorker:
         for job in joined:
             job.t_join = t0
         if joined:
-            self._report_batch(key[0], [t0 - job.t_enqueue for job in joined])
+            self._report(("batch", key[0], [t0 - job.t_enqueue for job in joined]))
         batch = stream.running + len(finished)
         for f in finished:
             job = self.jobs.pop(f.key)
@@ -180,13 +182,14 @@ class StreamWorker:
             t0 = time.perf_counter()
             for job in group:
                 job.t_join = t0
-            self._report_batch(decoder, [t0 - job.t_enqueue for job in group])
+            self._report(("batch", decoder, [t0 - job.t_enqueue for job in group]))
             try:
                 results = self.reranker.rank([job.request for job in group], decoder, tau)
                 if len(results) != len(group):
                     raise RuntimeError(f"rank() returned {len(results)} results for {len(group)} requests")
             except Exception:
                 log.exception("rank() failed for a batch of %d: each request runs alone", len(group))
+                self._report(("shared_failed", decoder, len(group)))
                 for job in group:
                     self._rank_alone(job)
                 continue
@@ -200,11 +203,11 @@ class StreamWorker:
             result = e
         self._answer(job, result, 1)
 
-    def _report_batch(self, decoder: str, waits: list[float]) -> None:
+    def _report(self, event: Event) -> None:
         try:  # (metrics only: never at the cost of an answer)
-            self.emit(("batch", decoder, waits))
+            self.emit(event)
         except Exception:
-            log.exception("a %s batch's metrics could not be sent", decoder)
+            log.exception("metrics %s could not be sent", event[:2])
 
     def _answer(self, job: Job, result: RankResult | Exception, batch: int) -> None:
         """The job's answer (or its failure). Never raises: a job in hand that is neither answered nor failed would

@@ -11,6 +11,8 @@ annotation has Knative's queue-proxy merge them into what Prometheus scrapes).
 | `gr2_tokens_per_forward` | histogram | decoder | tokens generated per forward pass, per ranking of a decoding model (nfe > 0) |
 | `gr2_rankings_total` | counter | decoder, outcome | rankings served, outcome "valid" or "fallback" (validity = valid / all) |
 | `gr2_cold_start_rankings_total` | counter | decoder | of those, rankings the cold-start ranker made (a user without known history; the decoder asked for) |
+| `gr2_shared_decode_failures_total` | counter | decoder | shared decode steps (or batched rank() calls) that failed, so that each of their requests ran alone: answered, but slower; any rate is a bug to look for in the logs |
+| `gr2_decoding_process_restarts_total` | counter | | decoding processes that died (their requests got 503) and were started again |
 
 Every series is created at import for the known label values, so a rate over a window that starts before the
 first request still counts the first increment. The canary analysis (deploy/canary.py) queries these names.
@@ -57,6 +59,15 @@ COLD_START = Counter(
     "gr2_cold_start_rankings", "Rankings made by the cold-start ranker (no known history)", ["decoder"]
 )
 
+SHARED_FAILURES = Counter(
+    "gr2_shared_decode_failures",
+    "Shared decode steps or batched rank() calls that failed (each of their requests then ran alone)",
+    ["decoder"],
+)
+PROCESS_RESTARTS = Counter(
+    "gr2_decoding_process_restarts", "Decoding processes that died and were started again"
+)
+
 UNKNOWN, MIXED = "unknown", "mixed"
 for _d in (*DECODERS, MIXED):
     REQUESTS.labels("200", _d)
@@ -65,6 +76,7 @@ for _d in (*DECODERS, MIXED):
     for _o in ("valid", "fallback"):
         RANKINGS.labels(_d, _o)
     COLD_START.labels(_d)
+    SHARED_FAILURES.labels(_d)
 for _s in ("400", "413", "500"):
     REQUESTS.labels(_s, UNKNOWN)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from gr2.inference import RankRequest, load_reranker
 from serving.batcher import ContinuousBatcher
@@ -45,6 +46,10 @@ def requests_of(ml_slice, n_requests: int, seed: int) -> list[tuple[RankRequest,
         decoder, tau = rng.choice([("ar", 1.0), ("diffusion", 0.4), ("diffusion", 0.9), ("spec", 0.4)])
         out.append((req, decoder, tau))
     return out
+
+
+def shared_failures(decoder: str) -> float:
+    return REGISTRY.get_sample_value("gr2_shared_decode_failures_total", {"decoder": decoder})
 
 
 def alone(reranker, req: RankRequest, decoder: str, tau: float):
@@ -201,8 +206,10 @@ def test_a_failing_decode_step_or_request_fails_no_other(reranker, ml_slice, whe
         jobs = [b.submit(*s) for s in sent] + [b.submit(poison, "diffusion", 0.4)]
         return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 120), b
 
+    before = shared_failures("diffusion")
     out, b = asyncio.run(main())
     assert failed and isinstance(out[-1], KeyError) and "unknown candidate" in str(out[-1])
+    assert shared_failures("diffusion") == before + 1  # seen by Prometheus, not only in the log
     for (req, decoder, tau), timed in zip(sent, out[:-1], strict=True):
         assert same(timed.result, alone(reranker, req, decoder, tau))
     assert b.alive()
@@ -274,7 +281,9 @@ def test_a_killed_decoding_process_fails_only_the_requests_it_held_with_503_and_
         after = await asyncio.wait_for(b.submit(*sent[0]), 120)  # a new process answers
         return lost, after
 
+    restarts = REGISTRY.get_sample_value("gr2_decoding_process_restarts_total")
     lost, after = asyncio.run(main())
+    assert REGISTRY.get_sample_value("gr2_decoding_process_restarts_total") == restarts + 1
     assert all(isinstance(e, UpstreamError) and e.status == 503 for e in lost), lost
     assert "the decoding process exited" in str(lost[0])
     assert b.process is not first and b.alive()

@@ -254,9 +254,8 @@ class Stream:
         rules = Rules.start(cfg.rules, ids, offset)
         new = self.decoding(ids[:, :P], pad_lens, width, rules)
         new.seq[:, P : P + s0] = ids[:, P:]  # the prompts' tails, before their responses
-        # Their prefill: every column the cache holds (before the fed ones).
         cache = DynamicCache()
-        # Their prefill stops where the running rows' cache does; the next step feeds the columns after it, the new
+        # Their prefill: every column the running rows' cache holds; the next step feeds the columns after it, the new
         # rows' prompt tails among them. AR: every step fed its token, so the cache ends one column before s0.
         # Diffusion: at the last block that had a forward, which is not always the block before s0 (a block the
         # layout gives whole has none).

@@ -125,7 +125,7 @@ class MicroBatcher:
                     await self._decode(items, decoder, tau)
                 except Exception:  # any failure of the shared call: each request alone, below
                     log.exception("rank() failed for a batch of %d: each request runs alone", len(items))
-                    metrics.SHARED_FAILURES.labels(decoder).inc()
+                    metrics.observe_shared_failure(decoder)
                     for it in items:  # one request's failure (or shape) never fails another's
                         try:
                             await self._decode([it], decoder, tau)
@@ -220,7 +220,7 @@ class ContinuousBatcher:
             metrics.observe_batch(key, value)
             return
         if kind == "shared_failed":
-            metrics.SHARED_FAILURES.labels(key).inc()
+            metrics.observe_shared_failure(key)
             return
         row = self.pending.pop(key, None)
         if row is None:

@@ -150,7 +150,8 @@ class StreamWorker:
         except Exception:
             # Every job of this stream, not only the rows it lists: a step that failed while rows joined holds
             # them in neither its queue nor its rows.
-            jobs = [self.jobs.pop(k) for k in [k for k, job in self.jobs.items() if stream_key(job) == key]]
+            keys = [k for k, job in self.jobs.items() if stream_key(job) == key]
+            jobs = [self.jobs.pop(k) for k in keys]
             log.exception("a %s decode step failed for %d requests: each runs alone", key[0], len(jobs))
             self._report(("shared_failed", key[0], len(jobs)))
             del self.streams[key]  # its state is not trusted any more; the next request starts a new one
@@ -212,18 +213,19 @@ class StreamWorker:
     def _answer(self, job: Job, result: RankResult | Exception, batch: int) -> None:
         """The job's answer (or its failure). Never raises: a job in hand that is neither answered nor failed would
         leave its client waiting for ever."""
-        t1 = time.perf_counter()
-        t_join = job.t_join if job.t_join is not None else t1
-        try:
-            if isinstance(result, Exception):
-                raise result
+        if not isinstance(result, Exception):
+            t1 = time.perf_counter()
+            t_join = job.t_join if job.t_join is not None else t1
             timed = Timed(result, (t_join - job.t_enqueue) * 1000, (t1 - t_join) * 1000, batch)
-            self.emit(("done", job.key, timed))
-        except Exception as e:
             try:
-                self.emit(("fail", job.key, e))
-            except Exception:  # (the server has gone: nobody waits for this answer)
-                log.exception("request %s: neither its answer nor its failure could be sent", job.key)
+                self.emit(("done", job.key, timed))
+                return
+            except Exception as e:  # (e.g. it does not pickle): the request fails instead
+                result = e
+        try:
+            self.emit(("fail", job.key, result))
+        except Exception:  # (the server has gone: nobody waits for this answer)
+            log.exception("request %s: neither its answer nor its failure could be sent", job.key)
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,11 @@ def observe_batch(decoder: str, queue_seconds: list[float]) -> None:
         QUEUE.labels(decoder).observe(q)
 
 
+def observe_shared_failure(decoder: str) -> None:
+    """A shared decode step or batched rank() call failed: each of its requests runs alone."""
+    SHARED_FAILURES.labels(decoder).inc()
+
+
 def observe_rejected(status: int) -> None:
     """A request refused before the model saw it (the body guard's 413 / 400)."""
     REQUESTS.labels(str(status), UNKNOWN).inc()

@@ -12,6 +12,8 @@ there, never on test):
 - `teacher_raw`: the same conditional logit fitted here on the raw evidence of the run's training lists;
 - `ltr+teacher`, `ltr+teacher_raw`: w * ltr + (1 - w) * the other, each score standardised within its list. w is
   chosen on one half of the lists and scored on the other (both ways), so the blend's figure is out of sample.
+- with `--seq-epochs` > 0, the history as a sequence: `seq`, a SASRec fitted here on the run's training sequences
+  (gr2/sequential.py; not a feature ranker: it reads item ids), and its blends `ltr+seq`, `teacher+seq`.
 
 Each row: R@1 and NDCG@5, and its paired difference from `ltr` with the bootstrap CI of the run's profile
 (`gr2.metrics.evaluate`, ltr in the place of the floor, as `analysis.compare_models` does). Prints (and with --out
@@ -30,11 +32,14 @@ import pandas as pd
 from analysis.compare_models import run_folder
 from analysis.output import print_json, provenance
 from components._lib.paths import repo_relative
+from components._lib.sources import read_dataset
 from components._lib.steps import LTR_DIR
-from gr2.config import Profile
+from gr2.config import Profile, SequenceConfig
+from gr2.data.split import train_sequences
 from gr2.evidence import Evidence
 from gr2.ltr import LTRModel, rankings_from_scores
 from gr2.metrics import evaluate
+from gr2.sequential import fit_sequence_model
 from gr2.stages.prepare import list_features
 from gr2.teacher import Teacher, fit_teacher
 from pipelines.run_local import run_examples, run_profile
@@ -99,17 +104,31 @@ def feature_scores(
     }
 
 
-def compare(run: Path, split: str) -> dict:
+def sequence_scores(run: Path, profile: Profile, df: pd.DataFrame, epochs: int) -> np.ndarray:
+    """[L, N] SASRec scores of df's lists, the model fitted on the training sequences the run's evidence was
+    (gr2.data.split.train_sequences: no validation or test item)."""
+    dataset = read_dataset(run_folder(run, "kfp/*/ingest/sources"), event_ts=False)
+    seqs = train_sequences(dataset, profile.data.eval_positions)
+    config = SequenceConfig(max_len=profile.data.history_len, epochs=epochs)
+    model = fit_sequence_model(seqs, config, profile.seed)
+    return model.scores(list(df["history"]), list(df["candidates"]))
+
+
+def compare(run: Path, split: str, seq_epochs: int = 0) -> dict:
     profile, examples = run_profile(run), run_examples(run)
     df, train = (examples[examples["split"] == s].reset_index(drop=True) for s in (split, "train"))
     if df.empty or train.empty:
         raise SystemExit(f"no examples in split {split!r} or in train")
     labels = df["label"].to_numpy()
     scores = feature_scores(run, profile, train, df)
+    blends = [("ltr", "teacher"), ("ltr", "teacher_raw")]
+    if seq_epochs > 0:
+        scores["seq"] = sequence_scores(run, profile, df, seq_epochs)
+        blends += [("ltr", "seq"), ("teacher", "seq")]
     weights = {}
-    for other in ("teacher", "teacher_raw"):
-        scores[f"ltr+{other}"], weights[f"ltr+{other}"] = cross_fitted_blend(
-            scores["ltr"], scores[other], labels, profile.seed
+    for a, b in blends:
+        scores[f"{a}+{b}"], weights[f"{a}+{b}"] = cross_fitted_blend(
+            scores[a], scores[b], labels, profile.seed
         )
     ltr = rankings_from_scores(scores["ltr"])
     rows = {}
@@ -129,7 +148,8 @@ def compare(run: Path, split: str) -> dict:
         "run": repo_relative(str(Path(run).resolve())),
         "split": split,
         "n": len(df),
-        "blend_weights_of_ltr": weights,
+        "seq_epochs": seq_epochs,
+        "blend_weights_of_first": weights,
         "rankers": rows,
     }
 
@@ -138,9 +158,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", default="runs/latest", help="a run directory (make run / make bench)")
     ap.add_argument("--split", default="val", choices=["val", "test"])
+    ap.add_argument(
+        "--seq-epochs", type=int, default=0, help="also fit a SASRec for this many epochs (0: no `seq` rows)"
+    )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
-    res = provenance("analysis.feature_rankers", argv) | compare(Path(args.run).resolve(), args.split)
+    res = provenance("analysis.feature_rankers", argv) | compare(
+        Path(args.run).resolve(), args.split, args.seq_epochs
+    )
     print_json(res, args.out)
     return res
 

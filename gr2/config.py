@@ -47,6 +47,23 @@ class EvidenceConfig:
 
 
 @dataclass(frozen=True)
+class SequenceConfig:
+    """A SASRec next-item model on the training sequences (gr2/sequential.py): the history read as a sequence, which
+    the count features see only as pairs (docs/RESULTS.md, 'Beyond the GBDT (issue #40)')."""
+
+    max_len: int = 20  # the last items of a history it reads (the profiles' data.history_len)
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 2
+    dropout: float = 0.2
+    epochs: int = (
+        40  # fixed, not early-stopped: the validation lists judge the result, so they cannot stop it
+    )
+    batch_size: int = 128
+    lr: float = 1e-3
+
+
+@dataclass(frozen=True)
 class LTRConfig:
     model: str = "gbdt"  # "gbdt" | "logreg"
     max_train_lists: int = 20000

@@ -7,11 +7,14 @@ from gr2.config import SequenceConfig
 from gr2.sequential import fit_sequence_model, training_rows
 
 
-def test_training_rows_keep_the_last_items_left_padded_and_skip_single_items():
-    index = {x: i + 1 for i, x in enumerate("abcdef")}
-    x, y = training_rows({"u": list("abcdef"), "v": list("ab"), "w": ["c"]}, index, max_len=3)
-    assert x.tolist() == [[3, 4, 5], [0, 0, 1]]  # u: inputs c d e -> next d e f; v: a -> b; w is left out
-    assert y.tolist() == [[4, 5, 6], [0, 0, 2]]
+def test_training_rows_cut_each_sequence_into_windows_every_next_item_a_target_once():
+    index = {x: i + 1 for i, x in enumerate("abcdefg")}
+    x, y = training_rows({"u": list("abcdefg"), "v": list("ab"), "w": ["c"]}, index, max_len=3)
+    # u from its end: d e f -> e f g, then a b c -> b c d; v: a -> b; w is left out
+    assert x.tolist() == [[4, 5, 6], [1, 2, 3], [0, 0, 1]]
+    assert y.tolist() == [[5, 6, 7], [2, 3, 4], [0, 0, 2]]
+    targets = y[y > 0].tolist()
+    assert sorted(targets) == sorted([2, 3, 4, 5, 6, 7, 2])  # u's b..g once each, v's b
 
 
 def test_training_rows_of_no_usable_sequence_fail_clearly():

@@ -56,9 +56,8 @@ class SequenceConfig:
     n_layers: int = 2
     n_heads: int = 2
     dropout: float = 0.2
-    epochs: int = (
-        40  # fixed, not early-stopped: the validation lists judge the result, so they cannot stop it
-    )
+    # fixed, not early-stopped: the validation lists judge the result, so they cannot also stop the training
+    epochs: int = 40
     batch_size: int = 128
     lr: float = 1e-3
 

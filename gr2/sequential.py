@@ -58,8 +58,8 @@ class SASRec(nn.Module):
 class SequenceModel:
     """A fitted SASRec and its item index; `scores` ranks candidates after a history."""
 
-    def __init__(self, items: Sequence[str], model: SASRec, config: SequenceConfig):
-        self.index = {item: i + 1 for i, item in enumerate(items)}
+    def __init__(self, index: Mapping[str, int], model: SASRec, config: SequenceConfig):
+        self.index = index  # item -> embedding row (0: padding and unknown items)
         self.model = model.eval()
         self.config = config
 
@@ -132,7 +132,8 @@ def fit_sequence_model(
             opt.zero_grad()
             loss.backward()
             opt.step()
-            total, n = total + loss.item() * int(keep.sum()), n + int(keep.sum())
+            k = int(keep.sum())
+            total, n = total + loss.item() * k, n + k
         bar.set_postfix(loss=f"{total / n:.3f}")
         log.info("sasrec epoch %d: loss %.3f over %d next items", epoch, total / n, n)
-    return SequenceModel(items, model, cfg)
+    return SequenceModel(index, model, cfg)

@@ -51,6 +51,9 @@ class SequenceConfig:
     """A SASRec next-item model on the training sequences (gr2/sequential.py): the history read as a sequence, which
     the count features see only as pairs (docs/RESULTS.md, 'Beyond the GBDT (issue #40)')."""
 
+    # 0: no `sequence` evidence feature. k >= 2: fitted at ingest, k models without one fold of users each (they score
+    # the training lists, out of fold) and one on all training sequences (every other list): k + 1 fits in all.
+    folds: int = 0
     max_len: int = 20  # the last items of a history it reads (the profiles' data.history_len)
     d_model: int = 64
     n_layers: int = 2
@@ -356,6 +359,7 @@ class Profile:
     data: DataConfig = field(default_factory=DataConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
+    sequence: SequenceConfig = field(default_factory=SequenceConfig)
     ltr: LTRConfig = field(default_factory=LTRConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: TrainConfig = field(default_factory=TrainConfig)

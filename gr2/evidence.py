@@ -11,6 +11,8 @@ categories and its title tokens. Per (history, candidate) we compute FEATURE_NAM
   category_overlap  recency-weighted share of history items carrying c's categories (mean over them)
   title_sim         cosine of c's TF-IDF title vector with the recency-weighted history profile
   retriever_rank    position of c in the retriever's list (0 = first)
+  sequence          a SASRec's score of c after the history (gr2/sequential.py; only with the profile's
+                    sequence.folds >= 2: a model, not a table, saved beside the tables in `sequence/`)
 
 A feature the data cannot supply is dropped, never served as a constant that looks like signal: with no
 item carrying a category, `category_overlap`; with no item carrying a title token, `title_sim`
@@ -19,7 +21,8 @@ both go into evidence.json, the prompts' vocabulary, the teacher, the LTR model 
 
 Fitting and serving both compute features from the K-truncated tables, so they agree exactly. For a
 training example the example's own target interaction is subtracted from the counts (`own_target`), as
-in the retriever, so training and test features have the same distribution.
+in the retriever, so training and test features have the same distribution. The SASRec cannot subtract an
+interaction, so a training list's `sequence` is scored by a model fitted without its user (`users`).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from gr2.config import EvidenceConfig, PromptConfig
+from gr2.config import EvidenceConfig, PromptConfig, SequenceConfig
 from gr2.retriever import cooccurrence_counts, index_sequences, steps_back
+from gr2.sequential import SequenceFeature, fit_sequence_feature
 
 FEATURE_NAMES = (
     "trans_last",
@@ -45,9 +49,11 @@ FEATURE_NAMES = (
     "category_overlap",
     "title_sim",
     "retriever_rank",
+    "sequence",
 )
 # The features that need per-item content, and the item-table column that supplies each.
 CONTENT_FEATURES = {"category_overlap": "categories", "title_sim": "title_tokens"}
+NO_SEQUENCE_MODEL = "no sequence model (the profile's sequence.folds is 0)"
 _STOP = {"the", "and", "of", "for", "with", "in", "to", "by", "on", "an", "or", "oz", "fl", "ounce", "pack"}
 
 
@@ -105,6 +111,7 @@ class Evidence:
         self.bucket_edges: np.ndarray | None = None  # [F, n_buckets - 1]
         self.feature_names: tuple[str, ...] = FEATURE_NAMES  # the features computed (FEATURE_NAMES order)
         self.dropped_features: dict[str, str] = {}  # feature -> why the data cannot supply it
+        self.sequence: SequenceFeature | None = None  # the `sequence` feature's SASRec models
 
     # ------------------------------------------------------------------ fitting and tables
     @classmethod
@@ -113,8 +120,11 @@ class Evidence:
         train_seqs: Mapping[str, Sequence[str]],
         items: pd.DataFrame,
         config: EvidenceConfig | None = None,
+        sequence: SequenceConfig | None = None,
+        seed: int = 0,
     ) -> Evidence:
-        """Count transitions, co-occurrences and popularity on training sequences (positions 0..n-3)."""
+        """Count transitions, co-occurrences and popularity on training sequences (positions 0..n-3); with
+        `sequence.folds` >= 2, fit the `sequence` feature's SASRec models on them too."""
         cfg = config or EvidenceConfig()
         seqs = list(train_seqs.values())
         ids = sorted(set(items["item_id"]) | {x for s in seqs for x in s})
@@ -138,7 +148,12 @@ class Evidence:
                 "title_tokens": [title_tokens(t, cfg.max_title_tokens) for t in titles],
             }
         )
-        return cls.from_item_tables(table, {"config": dataclasses.asdict(cfg), "bucket_edges": None})
+        seq = (
+            fit_sequence_feature(train_seqs, sequence, seed)
+            if sequence is not None and sequence.folds
+            else None
+        )
+        return cls.from_item_tables(table, {"config": dataclasses.asdict(cfg), "bucket_edges": None}, seq)
 
     def item_tables(self) -> pd.DataFrame:
         """One row per item (what the feature store serves); `attrs["evidence"]` holds config and buckets."""
@@ -156,14 +171,19 @@ class Evidence:
         }
 
     @classmethod
-    def from_item_tables(cls, df: pd.DataFrame, meta: dict | None = None) -> Evidence:
+    def from_item_tables(
+        cls, df: pd.DataFrame, meta: dict | None = None, sequence: SequenceFeature | None = None
+    ) -> Evidence:
         """Rebuild from the served tables (plus `meta` = config, bucket edges and the features kept; default
-        `df.attrs`). Without a feature list in `meta` (at fit), the table decides which features it supplies."""
+        `df.attrs`) and the `sequence` feature's models, if any. Without a feature list in `meta` (at fit), the
+        table and the models decide which features are supplied."""
         meta = meta if meta is not None else df.attrs.get("evidence", {})
         ev = cls(EvidenceConfig(**meta.get("config", {})))
         df = df.sort_values("item_id", kind="stable").reset_index(drop=True)
         if meta.get("features") is None:
             ev.dropped_features = unsupplied_features(df)
+            if sequence is None:
+                ev.dropped_features["sequence"] = NO_SEQUENCE_MODEL
             ev.feature_names = tuple(f for f in FEATURE_NAMES if f not in ev.dropped_features)
         else:
             unknown = sorted(set(meta["features"]) - set(FEATURE_NAMES))
@@ -173,6 +193,8 @@ class Evidence:
                 )
             ev.feature_names = tuple(f for f in FEATURE_NAMES if f in meta["features"])
             ev.dropped_features = dict(meta.get("dropped_features") or {})
+            if "sequence" in ev.feature_names and sequence is None:
+                raise ValueError("evidence meta keeps the feature 'sequence' but no sequence model was given")
         if meta.get("bucket_edges") is not None:
             ev.bucket_edges = np.asarray(meta["bucket_edges"], dtype=np.float64)
             if len(ev.bucket_edges) != len(ev.feature_names):
@@ -181,6 +203,7 @@ class Evidence:
                     f"but {len(ev.feature_names)} features {list(ev.feature_names)}"
                 )
         ev._table = df
+        ev.sequence = sequence
         ev.items = df["item_id"].to_numpy(dtype=object)
         ev.index = {x: i for i, x in enumerate(ev.items)}
         n = len(ev.items)
@@ -201,12 +224,15 @@ class Evidence:
         path.mkdir(parents=True, exist_ok=True)
         self._table.to_parquet(path / "item_tables.parquet", index=False)
         (path / "evidence.json").write_text(json.dumps(self.meta(), indent=1))
+        if self.sequence is not None:
+            self.sequence.save(path / "sequence")
 
     @classmethod
     def load(cls, path: str | Path) -> Evidence:
         path = Path(path)
         meta = json.loads((path / "evidence.json").read_text())
-        return cls.from_item_tables(pd.read_parquet(path / "item_tables.parquet"), meta)
+        table = pd.read_parquet(path / "item_tables.parquet")
+        return cls.from_item_tables(table, meta, SequenceFeature.load(path / "sequence"))
 
     # ------------------------------------------------------------------ features
     def features(
@@ -220,13 +246,22 @@ class Evidence:
         histories: Sequence[Sequence[str]],
         candidates: Sequence[Sequence[str]],
         own_targets: Sequence[str | None] | None = None,
+        users: Sequence[str] | None = None,
         chunk: int = 5000,
     ) -> np.ndarray:
         """[B, N, F] features (F = `feature_names`), N the longest list. Lists may differ in length (serving
         batches what clients send): a shorter list's rows past its end are zeros, so read list i as
-        x[i, :len(candidates[i])]. Computed in groups of one length, chunked to bound memory."""
+        x[i, :len(candidates[i])]. Computed in groups of one length, chunked to bound memory.
+
+        own_targets[i]: a training list's own next item (its counts are subtracted); users[i]: its user (its
+        `sequence` is scored out of fold), required with own targets when the evidence has that feature."""
         histories, candidates = list(histories), list(candidates)
         own = list(own_targets) if own_targets is not None else [None] * len(histories)
+        who = list(users) if users is not None else [None] * len(histories)
+        if self.sequence is not None and users is None and any(t is not None for t in own):
+            raise ValueError(
+                "training lists (own_targets) need their users: the 'sequence' feature scores them out of fold"
+            )
         out = np.zeros((len(candidates), max(map(len, candidates), default=0), len(self.feature_names)))
         by_length: dict[int, list[int]] = {}
         for i, cs in enumerate(candidates):
@@ -235,12 +270,15 @@ class Evidence:
             for lo in range(0, len(rows), chunk):
                 part = rows[lo : lo + chunk]
                 out[part, :n] = self._features(
-                    [histories[i] for i in part], [candidates[i] for i in part], [own[i] for i in part]
+                    [histories[i] for i in part],
+                    [candidates[i] for i in part],
+                    [own[i] for i in part],
+                    [who[i] if own[i] is not None else None for i in part],
                 )
         return out
 
-    def _features(self, histories, candidates, own) -> np.ndarray:
-        """[B, N, F] of lists that all have one length N."""
+    def _features(self, histories, candidates, own, users) -> np.ndarray:
+        """[B, N, F] of lists that all have one length N (users: a training list's user, else None)."""
         cfg = self.config
         B = len(histories)
         N = len(candidates[0]) if B else 0
@@ -282,6 +320,8 @@ class Evidence:
         X[:, :, 4] = self._profile_dot(self.cats, q, cand, norm="mean") / np.maximum(wsum, 1e-12)[:, None]
         X[:, :, 5] = self._profile_dot(self.title_vec, q, cand, norm="cosine")
         X[:, :, 6] = np.arange(N)[None, :]
+        if self.sequence is not None and "sequence" in self.feature_names and B and N:
+            X[:, :, 7] = self.sequence.scores(histories, candidates, users)
         return X[:, :, [FEATURE_NAMES.index(f) for f in self.feature_names]]
 
     @staticmethod

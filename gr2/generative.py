@@ -338,19 +338,24 @@ class GenerativeReranker:
         histories: Sequence[Sequence[str]],
         candidates: Sequence[Sequence[str]],
         orders: Sequence[Sequence[int]] | None = None,
+        *,
+        own_targets: Sequence[str] | None = None,
+        users: Sequence[str] | None = None,
     ) -> list[list[int]]:
         """Prompt ids (<bos> + prompt) per list. History items without a semantic ID are skipped (an item the
         model has never seen carries no signal); candidates must all be known (`known_item`).
 
         `candidates` are in retriever order. orders (optional): per list, the candidate indices in the order the
         prompt shows them (RL's shuffled prompts). The evidence is computed in retriever order either way, so
-        each candidate keeps its own buckets, retriever_rank included; only its letter changes."""
+        each candidate keeps its own buckets, retriever_rank included; only its letter changes. own_targets and
+        users: training lists' (RL's prompts), whose evidence must not count their own next item, as at SFT
+        (Evidence.features_batch)."""
         hist = [[h for h in hs if h in self.sids.codes] for hs in histories]
         for cs in candidates:
             unknown = [c for c in cs if c not in self.sids.codes]
             if unknown:
                 raise KeyError(f"unknown candidate item ids: {unknown[:5]}")
-        x = self.evidence.features_batch(hist, [list(c) for c in candidates])
+        x = self.evidence.features_batch(hist, [list(c) for c in candidates], own_targets, users)
         buckets = self.evidence.buckets(x)
         prompts = []
         for i, (hs, cs, b) in enumerate(zip(hist, candidates, buckets, strict=True)):

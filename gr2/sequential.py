@@ -2,8 +2,9 @@
 
 The evidence features read the history as pairs: transitions from the last or recent items, co-occurrence counts.
 A next-item model reads it as a sequence and learns an embedding per item, so it sees what no count of pairs
-shows. Issue 40 asks whether the history as a sequence carries anything the features miss;
-`analysis.feature_rankers` scores the run's lists with this model, alone and blended with the feature rankers.
+shows. With the profile's `sequence.folds` >= 2 its score is the evidence feature `sequence` (gr2/evidence.py,
+`SequenceFeature`), which ltr, the teacher and the generative models all read; `analysis.feature_rankers` also scores
+a run's lists with it alone and blended with the feature rankers (docs/RESULTS.md, 'Beyond the GBDT (issue #40)').
 
 Training (Kang & McAuley, 2018, with a full softmax in place of sampled negatives): windows of `max_len + 1`
 training items, left-padded; each position predicts the next item over the whole catalogue, the output layer tied
@@ -14,8 +15,11 @@ the training sequences never had scores 0.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import zlib
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -60,8 +64,23 @@ class SequenceModel:
 
     def __init__(self, index: Mapping[str, int], model: SASRec, config: SequenceConfig):
         self.index = index  # item -> embedding row (0: padding and unknown items)
-        self.model = model.eval()
+        # Scored in float64: a list's score then depends on its batch mates only below 1e-15 (float32: 1e-8), so
+        # the evidence buckets of a served request never depend on which other requests share its batch.
+        self.model = model.double().eval()
         self.config = config
+
+    def save(self, path: str | Path) -> None:
+        items = sorted(self.index, key=self.index.__getitem__)
+        state = {"config": dataclasses.asdict(self.config), "items": items, "state": self.model.state_dict()}
+        torch.save(state, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> SequenceModel:
+        saved = torch.load(path, weights_only=True)
+        config = SequenceConfig(**saved["config"])
+        model = SASRec(len(saved["items"]), config)
+        model.load_state_dict(saved["state"])
+        return cls({x: i + 1 for i, x in enumerate(saved["items"])}, model, config)
 
     def _rows(self, histories: Sequence[Sequence[str]]) -> torch.Tensor:
         L = self.config.max_len
@@ -106,7 +125,10 @@ def training_rows(
 
 
 def fit_sequence_model(
-    train_seqs: Mapping[str, Sequence[str]], config: SequenceConfig | None = None, seed: int = 0
+    train_seqs: Mapping[str, Sequence[str]],
+    config: SequenceConfig | None = None,
+    seed: int = 0,
+    label: str = "sasrec",
 ) -> SequenceModel:
     """Train SASRec on the training sequences for config.epochs (full softmax over every training item)."""
     cfg = config or SequenceConfig()
@@ -119,7 +141,7 @@ def fit_sequence_model(
     model = SASRec(len(items), cfg)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     order = torch.Generator().manual_seed(seed)
-    bar = tqdm(range(cfg.epochs), desc="sasrec", disable=None)
+    bar = tqdm(range(cfg.epochs), desc=label, disable=None)
     for epoch in bar:
         perm, total, n = torch.randperm(len(x), generator=order), 0.0, 0
         for i in range(0, len(x), cfg.batch_size):
@@ -135,5 +157,82 @@ def fit_sequence_model(
             k = int(keep.sum())
             total, n = total + loss.item() * k, n + k
         bar.set_postfix(loss=f"{total / n:.3f}")
-        log.info("sasrec epoch %d: loss %.3f over %d next items", epoch, total / n, n)
+        log.info("%s epoch %d: loss %.3f over %d next items", label, epoch, total / n, n)
     return SequenceModel(index, model, cfg)
+
+
+def fold_of(user: str, folds: int) -> int:
+    """A user's fold (a stable hash: the same at every stage and on every machine)."""
+    return zlib.crc32(str(user).encode()) % folds
+
+
+class SequenceFeature:
+    """The evidence feature `sequence`: the SASRec's score of each candidate after the history.
+
+    A training list's own next item is in the training sequences, so the SASRec fitted on them has learned it: its
+    score would leak the label into every training list (the count features subtract the list's own target for
+    the same reason; a network cannot). So a training list is scored by the model fitted without its user's fold
+    (out of fold, as in stacking), and every other list (validation, test, serving) by the model fitted on all
+    training sequences, which never saw those lists' next items."""
+
+    def __init__(self, full: SequenceModel, folds: Sequence[SequenceModel]):
+        self.full = full
+        self.folds = list(folds)  # folds[k]: fitted without the users of fold k
+
+    def scores(
+        self,
+        histories: Sequence[Sequence[str]],
+        candidates: Sequence[Sequence[str]],
+        users: Sequence[str | None] | None = None,
+    ) -> np.ndarray:
+        """[B, N] scores (lists of equal length N). users[i]: the user of a training list (scored out of fold);
+        None (or no users): a list whose next item no model saw (the full model)."""
+        users = list(users) if users is not None else [None] * len(histories)
+        groups: dict[int, list[int]] = {}
+        for i, u in enumerate(users):
+            groups.setdefault(-1 if u is None else fold_of(u, len(self.folds)), []).append(i)
+        out = np.zeros((len(histories), len(candidates[0]) if len(candidates) else 0))
+        for k, rows in groups.items():
+            model = self.full if k < 0 else self.folds[k]
+            out[rows] = model.scores([histories[i] for i in rows], [candidates[i] for i in rows])
+        return out
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.full.save(path / "full.pt")
+        for k, m in enumerate(self.folds):
+            m.save(path / f"fold_{k}.pt")
+
+    @classmethod
+    def load(cls, path: str | Path) -> SequenceFeature | None:
+        """The feature saved at `path`; None where none was saved (the profile's sequence.folds is 0)."""
+        path = Path(path)
+        if not (path / "full.pt").exists():
+            return None
+        n = len(list(path.glob("fold_*.pt")))
+        return cls(
+            SequenceModel.load(path / "full.pt"),
+            [SequenceModel.load(path / f"fold_{k}.pt") for k in range(n)],
+        )
+
+
+def fit_sequence_feature(
+    train_seqs: Mapping[str, Sequence[str]], config: SequenceConfig, seed: int = 0
+) -> SequenceFeature:
+    """One SASRec per fold of users (fitted without that fold) and one on all training sequences."""
+    if config.folds < 2:
+        raise ValueError(
+            f"sequence.folds must be >= 2 to score training lists out of fold, got {config.folds}"
+        )
+    fold = {u: fold_of(u, config.folds) for u in train_seqs}
+    folds = [
+        fit_sequence_model(
+            {u: s for u, s in train_seqs.items() if fold[u] != k},
+            config,
+            seed,
+            f"sasrec fold {k + 1}/{config.folds}",
+        )
+        for k in range(config.folds)
+    ]
+    return SequenceFeature(fit_sequence_model(train_seqs, config, seed, "sasrec all"), folds)

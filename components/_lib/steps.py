@@ -24,6 +24,7 @@ from gr2.config import Profile, load_profile
 from gr2.data.dataset import Dataset, load_dataset, resolve_dataset
 
 DATA_DOCS = "data_docs.html"  # a validation step's Great Expectations Data Docs page
+SEQUENCE_DIR = "sequence"  # in a sources folder: the `sequence` feature's SASRec models (gr2/sequential.py)
 LTR_DIR = "ltr"  # in the evaluate-floor report: the fitted ranker behind its ltr row (gr2/ltr.py LTRModel)
 
 
@@ -41,14 +42,14 @@ def _slice_users(ds: Dataset, max_users: int) -> Dataset:
     return replace(ds, interactions=inter)
 
 
-def item_tables(ds: Dataset, profile: Profile) -> pd.DataFrame | None:
-    """Per-item evidence tables (gr2.evidence, fitted on training positions only) for the item feature view."""
+def fit_evidence(ds: Dataset, profile: Profile):
+    """gr2.evidence.Evidence fitted on training positions only: its per-item tables go to the item feature view,
+    its `sequence` models (profile sequence.folds >= 2) to the sources' `sequence/` folder beside them."""
     from gr2.data.split import train_sequences
     from gr2.evidence import Evidence
 
-    return Evidence.fit(
-        train_sequences(ds, profile.data.eval_positions), ds.items, profile.evidence
-    ).item_tables()
+    seqs = train_sequences(ds, profile.data.eval_positions)
+    return Evidence.fit(seqs, ds.items, profile.evidence, profile.sequence, profile.seed)
 
 
 def ingest(
@@ -74,11 +75,14 @@ def ingest(
     else:
         ds = load_dataset(resolve_dataset(dataset, cache_dir))
     ds = _slice_users(ds, max_users)
+    evidence = fit_evidence(ds, prof)
+    if evidence.sequence is not None:
+        evidence.sequence.save(Path(out_dir) / SEQUENCE_DIR)
     meta = sources.write_sources(
         ds,
         out_dir,
         prof.data.history_len,
-        item_tables(ds, prof),
+        evidence.item_tables(),
         snapshot_date,
         prof.data.eval_positions,
         {"source": dataset, "objects": objects} if objects is not None else None,
@@ -193,8 +197,10 @@ def candidates(
 
 
 def load_evidence(sources_dir: str | Path):
-    """gr2.evidence.Evidence rebuilt from the item feature table the feature store serves (no skew)."""
+    """gr2.evidence.Evidence rebuilt from the item feature table the feature store serves (no skew), and the
+    `sequence` feature's models ingest saved beside it."""
     from gr2.evidence import Evidence
+    from gr2.sequential import SequenceFeature
 
     src = Path(sources_dir)
     table = pd.read_parquet(src / "item_features.parquet").drop(columns=["event_timestamp", "title"])
@@ -202,7 +208,7 @@ def load_evidence(sources_dir: str | Path):
         if table[col].dtype == object and col != "item_id":
             table[col] = [list(v) for v in table[col]]
     meta = json.loads((src / "evidence.json").read_text()) if (src / "evidence.json").exists() else None
-    return Evidence.from_item_tables(table, meta)
+    return Evidence.from_item_tables(table, meta, SequenceFeature.load(src / SEQUENCE_DIR))
 
 
 def evaluate_floor(
@@ -225,8 +231,9 @@ def evaluate_floor(
     split = {s: ex[ex["split"] == s].reset_index(drop=True) for s in ("train", "val", "test")}
 
     def feats(df: pd.DataFrame, own: bool):
-        own_targets = df["target"].tolist() if own else None  # training lists: subtract their own target
-        return ev.features_batch(df["history"].tolist(), df["candidates"].tolist(), own_targets)
+        # training lists: subtract their own target, and score the sequence out of their user's fold
+        own_targets, users = (df["target"].tolist(), df["user_id"].tolist()) if own else (None, None)
+        return ev.features_batch(df["history"].tolist(), df["candidates"].tolist(), own_targets, users)
 
     X = {
         "train": feats(split["train"], True),

@@ -76,16 +76,22 @@ def train_prompts(
         raise ValueError("no usable training lists (split == 'train' with known candidates)")
     df = shorten_some(df, short_share, seed)
     histories, candidates = df["history"].tolist(), df["candidates"].tolist()
+    # training lists: their evidence must not count their own next item, as at SFT (gr2/stages/prepare.py)
+    own = {"own_targets": df["target"].tolist(), "users": df["user_id"].tolist()}
     pre_ranks = df["label"].astype(int).tolist()
     sizes = [len(cs) for cs in candidates]
     if not shuffle:
-        return TrainPrompts(reranker.encode_prompts(histories, candidates), pre_ranks, pre_ranks, sizes)
+        return TrainPrompts(
+            reranker.encode_prompts(histories, candidates, **own), pre_ranks, pre_ranks, sizes
+        )
     rng = random.Random(seed * 1_000_003 + 99)
     orders = [list(range(k)) for k in sizes]
     for order in orders:
         rng.shuffle(order)
     labels = [order.index(y) for order, y in zip(orders, pre_ranks, strict=True)]
-    return TrainPrompts(reranker.encode_prompts(histories, candidates, orders), labels, pre_ranks, sizes)
+    return TrainPrompts(
+        reranker.encode_prompts(histories, candidates, orders, **own), labels, pre_ranks, sizes
+    )
 
 
 def prompts_for_step(n_prompts: int, per_step: int, step: int, seed: int) -> list[int]:

@@ -70,11 +70,12 @@ class SFTData:
 
 
 def list_features(evidence: Evidence, df: pd.DataFrame, cold: bool = False) -> np.ndarray:
-    """[L, N, F] evidence features; training lists subtract their own target interaction (as the retriever).
-    `cold`: as for a user without history (every history feature empty)."""
+    """[L, N, F] evidence features; training lists subtract their own target interaction (as the retriever) and
+    read the `sequence` feature out of their user's fold. `cold`: as for a user without history (every history
+    feature empty)."""
     own = [t if s == "train" else None for t, s in zip(df["target"], df["split"], strict=True)]
     histories = [[] for _ in range(len(df))] if cold else df["history"].tolist()
-    return evidence.features_batch(histories, df["candidates"].tolist(), own)
+    return evidence.features_batch(histories, df["candidates"].tolist(), own, df["user_id"].tolist())
 
 
 def fit_cold_start(evidence: Evidence, train: pd.DataFrame, profile: Profile) -> Teacher:
@@ -105,7 +106,7 @@ def prepare_sft(
     seed = profile.seed
     seqs = train_sequences(dataset, profile.data.eval_positions)
     if evidence is None:
-        evidence = Evidence.fit(seqs, dataset.items, profile.evidence)
+        evidence = Evidence.fit(seqs, dataset.items, profile.evidence, profile.sequence, seed)
     train = _subsample(examples[examples["split"] == "train"], profile.data.max_train_examples, seed)
     train = train.reset_index(drop=True)
     x_train = list_features(evidence, train)

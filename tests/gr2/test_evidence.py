@@ -7,10 +7,12 @@ import pandas as pd
 import pytest
 
 from gr2.candidates import attach_candidates, cut_lists
-from gr2.config import EvidenceConfig
+from gr2.config import EvidenceConfig, SequenceConfig
 from gr2.data import build_targets, train_sequences
-from gr2.evidence import FEATURE_NAMES, Evidence, title_tokens
+from gr2.evidence import FEATURE_NAMES as ALL_FEATURES
+from gr2.evidence import NO_SEQUENCE_MODEL, Evidence, title_tokens
 from gr2.retriever import CoocRetriever
+from gr2.sequential import SequenceFeature, fold_of
 from tests.gr2.toys import real_slice
 
 CFG = EvidenceConfig(top_k=10, window=2, recent=2, decay=0.5)
@@ -22,6 +24,8 @@ ITEMS = pd.DataFrame(
         "categories": [["lips"], ["nails"], ["nails", "red"], ["hair"], [], ["lips"]],
     }
 )
+# The features of an evidence fitted without a sequence model (the fixtures'): all but `sequence`.
+FEATURE_NAMES = tuple(f for f in ALL_FEATURES if f != "sequence")
 F = {name: i for i, name in enumerate(FEATURE_NAMES)}
 
 
@@ -98,8 +102,8 @@ def test_round_trip_through_tables_and_parquet(ev, tmp_path):
 def test_buckets():
     ev = Evidence(CFG)
     with pytest.raises(RuntimeError, match="fit_buckets"):
-        ev.buckets(np.zeros((1, 2, len(FEATURE_NAMES))))
-    x = np.zeros((10, 1, len(FEATURE_NAMES)))
+        ev.buckets(np.zeros((1, 2, len(ev.feature_names))))
+    x = np.zeros((10, 1, len(ev.feature_names)))
     x[:, 0, 0] = [0, 0, 0, 0, 1, 2, 3, 4, 5, 6]
     ev.fit_buckets(x)
     b = ev.buckets(x)
@@ -171,6 +175,7 @@ def test_features_the_data_cannot_supply_are_dropped(ev, tmp_path, strip, droppe
     """No titles / no categories: the feature is not computed (it would be 0 for every candidate, a column
     that looks like evidence but says nothing); the other features are unchanged, and the choice survives the
     feature-store round trip and save/load, where the served table alone could not tell."""
+    dropped = {**dropped, "sequence": NO_SEQUENCE_MODEL}
     bare = Evidence.fit(TRAIN, ITEMS.assign(**strip), CFG)
     kept = tuple(f for f in FEATURE_NAMES if f not in dropped)
     assert bare.feature_names == kept and bare.dropped_features == dropped
@@ -198,3 +203,34 @@ def test_evidence_meta_that_does_not_match_is_rejected(ev):
     ev.fit_buckets(np.zeros((2, 3, len(FEATURE_NAMES))))
     with pytest.raises(ValueError, match="bucket edges for 7 features"):
         Evidence.from_item_tables(ev.item_tables(), {**ev.meta(), "features": ["trans_last", "popularity"]})
+
+
+def test_sequence_feature_scores_training_lists_out_of_fold_and_round_trips(tmp_path):
+    """With sequence.folds >= 2 the SASRec score is the 8th feature. A training list (own target given) is scored
+    by the model fitted without its user's fold, so its own next item was never learned; every other list by the
+    model fitted on all users. Training lists without their users are refused (they would read a leaked score)."""
+    seqs = {f"u{i}": ["a", "b", "c", "d"] if i % 2 else ["b", "c", "e", "f"] for i in range(20)}
+    cfg = SequenceConfig(folds=2, max_len=4, d_model=8, n_heads=1, n_layers=1, epochs=3)
+    ev = Evidence.fit(seqs, ITEMS, CFG, cfg, seed=0)
+    assert ev.feature_names == ALL_FEATURES and ev.dropped_features == {}
+    assert len(ev.sequence.folds) == 2
+    hist, cands = [["a", "b"], ["b", "c"]], [["c", "d", "e"], ["e", "f", "a"]]
+    served = ev.features_batch(hist, cands)[:, :, -1]
+    np.testing.assert_allclose(served, ev.sequence.full.scores(hist, cands), rtol=1e-6)
+    train = ev.features_batch(hist, cands, ["c", "e"], ["u1", "u2"])[:, :, -1]
+    for i, u in enumerate(["u1", "u2"]):
+        own_fold = ev.sequence.folds[fold_of(u, 2)].scores(hist[i : i + 1], cands[i : i + 1])
+        np.testing.assert_allclose(train[i], own_fold[0], rtol=1e-6)
+    assert not np.allclose(train, served)
+    with pytest.raises(ValueError, match="need their users"):
+        ev.features_batch(hist, cands, ["c", "e"])
+    ev.save(tmp_path / "ev")
+    back = Evidence.load(tmp_path / "ev")
+    assert back.feature_names == ALL_FEATURES
+    np.testing.assert_array_equal(
+        back.features_batch(hist, cands, ["c", None], ["u1", None]),
+        ev.features_batch(hist, cands, ["c", None], ["u1", None]),
+    )
+    with pytest.raises(ValueError, match="no sequence model"):
+        Evidence.from_item_tables(ev.item_tables(), ev.meta())
+    assert SequenceFeature.load(tmp_path / "nothing") is None

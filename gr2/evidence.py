@@ -16,8 +16,9 @@ categories and its title tokens. Per (history, candidate) we compute FEATURE_NAM
 
 A feature the data cannot supply is dropped, never served as a constant that looks like signal: with no
 item carrying a category, `category_overlap`; with no item carrying a title token, `title_sim`
-(`Evidence.feature_names` are the features kept, `Evidence.dropped_features` says why each other one went;
-both go into evidence.json, the prompts' vocabulary, the teacher, the LTR model and the report).
+(`Evidence.feature_names` are the features kept, `Evidence.dropped_features` says why each content feature went;
+both go into evidence.json, the prompts' vocabulary, the teacher, the LTR model and the report). `sequence` is kept
+only with a sequence model, which the profile turns on (sequence.folds).
 
 Fitting and serving both compute features from the K-truncated tables, so they agree exactly. For a
 training example the example's own target interaction is subtracted from the counts (`own_target`), as
@@ -53,7 +54,6 @@ FEATURE_NAMES = (
 )
 # The features that need per-item content, and the item-table column that supplies each.
 CONTENT_FEATURES = {"category_overlap": "categories", "title_sim": "title_tokens"}
-NO_SEQUENCE_MODEL = "no sequence model (the profile's sequence.folds is 0)"
 _STOP = {"the", "and", "of", "for", "with", "in", "to", "by", "on", "an", "or", "oz", "fl", "ounce", "pack"}
 
 
@@ -182,9 +182,8 @@ class Evidence:
         df = df.sort_values("item_id", kind="stable").reset_index(drop=True)
         if meta.get("features") is None:
             ev.dropped_features = unsupplied_features(df)
-            if sequence is None:
-                ev.dropped_features["sequence"] = NO_SEQUENCE_MODEL
-            ev.feature_names = tuple(f for f in FEATURE_NAMES if f not in ev.dropped_features)
+            off = {"sequence"} if sequence is None else set()  # turned off by the profile: not a data gap
+            ev.feature_names = tuple(f for f in FEATURE_NAMES if f not in ev.dropped_features.keys() | off)
         else:
             unknown = sorted(set(meta["features"]) - set(FEATURE_NAMES))
             if unknown:

@@ -10,7 +10,7 @@ from gr2.candidates import attach_candidates, cut_lists
 from gr2.config import EvidenceConfig, SequenceConfig
 from gr2.data import build_targets, train_sequences
 from gr2.evidence import FEATURE_NAMES as ALL_FEATURES
-from gr2.evidence import NO_SEQUENCE_MODEL, Evidence, title_tokens
+from gr2.evidence import Evidence, title_tokens
 from gr2.retriever import CoocRetriever
 from gr2.sequential import SequenceFeature, fold_of
 from tests.gr2.toys import real_slice
@@ -175,7 +175,6 @@ def test_features_the_data_cannot_supply_are_dropped(ev, tmp_path, strip, droppe
     """No titles / no categories: the feature is not computed (it would be 0 for every candidate, a column
     that looks like evidence but says nothing); the other features are unchanged, and the choice survives the
     feature-store round trip and save/load, where the served table alone could not tell."""
-    dropped = {**dropped, "sequence": NO_SEQUENCE_MODEL}
     bare = Evidence.fit(TRAIN, ITEMS.assign(**strip), CFG)
     kept = tuple(f for f in FEATURE_NAMES if f not in dropped)
     assert bare.feature_names == kept and bare.dropped_features == dropped

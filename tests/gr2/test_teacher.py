@@ -162,19 +162,24 @@ def test_integration_on_real_slice(tmp_path, item_tokens):
     x = list_features(ev, train)
     edges = ev.fit_buckets(x, cfg.prompt.n_buckets)
     teacher = fit_teacher(
-        x, train["label"].to_numpy(), FEATURE_NAMES, cfg.teacher, cfg.prompt.score_levels, bucket_edges=edges
+        x,
+        train["label"].to_numpy(),
+        ev.feature_names,
+        cfg.teacher,
+        cfg.prompt.score_levels,
+        bucket_edges=edges,
     )
     assert teacher.recall_at(x, train["label"].to_numpy()) > float((train["label"] == 0).mean())
     # Content-free SIDs keep this test fast (the title model is tested in test_sid.py).
     sids = build_semantic_ids(
         "ml150", ds.items, tr, SIDConfig(content_weight=0.0, kmeans_iters=5), cache_dir=tmp_path
     )
-    tok = tokenizer_for(sids, FEATURE_NAMES, cfg.prompt)
+    tok = tokenizer_for(sids, ev.feature_names, cfg.prompt)
     stats: dict = {}
-    recs = build_sft_records(train, x, ev.buckets(x), FEATURE_NAMES, sids, teacher, tok, cfg, stats=stats)
+    recs = build_sft_records(train, x, ev.buckets(x), ev.feature_names, sids, teacher, tok, cfg, stats=stats)
     assert len(recs) == stats["n_records"] == len(train) > 100
     # <bos> 'candidates' + per candidate its label, evidence buckets (+ SID); "all" adds 'history' + its SIDs.
-    per_candidate = 1 + len(FEATURE_NAMES) + (4 if item_tokens != "none" else 0)
+    per_candidate = 1 + len(ev.feature_names) + (4 if item_tokens != "none" else 0)
     if item_tokens == "all":
         assert 2 + 10 * per_candidate + 1 + 4 < stats["max_prompt_tokens"] <= 2 + 10 * per_candidate + 81
     else:
@@ -201,7 +206,9 @@ def test_prepare_without_titles_or_categories_drops_their_features(tmp_path):
         build_targets(ds, cfg.data.history_len), CoocRetriever(cfg.retriever).fit(tr, ds.items["item_id"]), 10
     )
     sft = prepare_sft(examples, ds, cfg)
-    kept = [f for f in FEATURE_NAMES if f not in ("category_overlap", "title_sim")]
+    kept = [
+        f for f in FEATURE_NAMES if f not in ("category_overlap", "title_sim", "sequence")
+    ]  # no sequence model
     assert sft.stats["features"] == kept and sft.teacher.feature_names == tuple(kept)
     assert sft.stats["dropped_features"] == {
         "category_overlap": "no item has categories",

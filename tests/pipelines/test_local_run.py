@@ -43,7 +43,8 @@ def test_local_run_writes_report(tmp_path):
     ):
         pytest.skip("shared data not available")
     data = build_variant("all_shapes", tmp_path / "data", max_users=300)
-    # A profile override (--set seed=1), as the second-seed bench runs it: every step and the tools below read it.
+    # Profile overrides (--set seed=1), as the second-seed bench runs it: every step and the tools below read them.
+    # The sequence feature on (one epoch per SASRec): every stage, the bundles and serving read it.
     res = run_local(
         str(data),
         "smoke",
@@ -52,13 +53,15 @@ def test_local_run_writes_report(tmp_path):
         "2026-01-01",
         0,
         json.dumps(SLICE_BOUNDS),
-        overrides={"seed": 1},
+        overrides={"seed": 1, "sequence.folds": 2, "sequence.epochs": 1},
         ablation=True,
     )
     rep = res["report"]
     assert rep is not None, res["validation"]
-    assert rep["profile"] == "smoke seed=1" and run_profile(tmp_path / "smoke").seed == 1
+    assert rep["profile"] == "smoke seed=1 sequence.folds=2 sequence.epochs=1"
+    assert run_profile(tmp_path / "smoke").seed == 1
     check_variant_report(rep, (tmp_path / "smoke" / "report.md").read_text(), "all_shapes")
+    assert rep["evidence"]["features"][-1] == "sequence"
     spec_tau = run_profile(tmp_path / "smoke").diffusion.spec_tau  # spec's draft threshold
     assert [(r["model"], r["tau"]) for r in rep["rows"]] == [
         ("floor", None),

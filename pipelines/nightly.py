@@ -60,8 +60,6 @@ SLICE_OVERRIDES = {
     # quarter of the lists cut the AR teacher did not leave the retriever order within 500 steps (night 1 at
     # 2c76438: ar = floor 0.211, gate held). Short lists are the serving tests' subject, not the replay's.
     "data.short_list_share": 0.0,
-    # No sequence feature: the replay was calibrated without it, and its three SASRec fits would add minutes a night.
-    "sequence.folds": 0,
     "data.eval_positions": 1,
     "data.max_train_examples": 1000,
     "retriever.window": 3,

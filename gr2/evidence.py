@@ -54,6 +54,7 @@ FEATURE_NAMES = (
 )
 # The features that need per-item content, and the item-table column that supplies each.
 CONTENT_FEATURES = {"category_overlap": "categories", "title_sim": "title_tokens"}
+SEQUENCE_DIR = "sequence"  # beside the item tables (a sources folder, an evidence folder): the SASRec models
 _STOP = {"the", "and", "of", "for", "with", "in", "to", "by", "on", "an", "or", "oz", "fl", "ounce", "pack"}
 
 
@@ -224,14 +225,14 @@ class Evidence:
         self._table.to_parquet(path / "item_tables.parquet", index=False)
         (path / "evidence.json").write_text(json.dumps(self.meta(), indent=1))
         if self.sequence is not None:
-            self.sequence.save(path / "sequence")
+            self.sequence.save(path / SEQUENCE_DIR)
 
     @classmethod
     def load(cls, path: str | Path) -> Evidence:
         path = Path(path)
         meta = json.loads((path / "evidence.json").read_text())
         table = pd.read_parquet(path / "item_tables.parquet")
-        return cls.from_item_tables(table, meta, SequenceFeature.load(path / "sequence"))
+        return cls.from_item_tables(table, meta, SequenceFeature.load(path / SEQUENCE_DIR))
 
     # ------------------------------------------------------------------ features
     def features(

@@ -71,9 +71,8 @@ class SequenceModel:
 
     def save(self, path: str | Path) -> None:
         items = sorted(self.index, key=self.index.__getitem__)
-        weights = {
-            k: v.float() for k, v in self.model.state_dict().items()
-        }  # trained in float32: exact, half the size
+        # trained in float32, so saved in it: exact, and half the size
+        weights = {k: v.float() for k, v in self.model.state_dict().items()}
         state = {"config": dataclasses.asdict(self.config), "items": items, "state": weights}
         torch.save(state, path)
 

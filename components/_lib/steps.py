@@ -24,7 +24,6 @@ from gr2.config import Profile, load_profile
 from gr2.data.dataset import Dataset, load_dataset, resolve_dataset
 
 DATA_DOCS = "data_docs.html"  # a validation step's Great Expectations Data Docs page
-SEQUENCE_DIR = "sequence"  # in a sources folder: the `sequence` feature's SASRec models (gr2/sequential.py)
 LTR_DIR = "ltr"  # in the evaluate-floor report: the fitted ranker behind its ltr row (gr2/ltr.py LTRModel)
 
 
@@ -75,6 +74,8 @@ def ingest(
     else:
         ds = load_dataset(resolve_dataset(dataset, cache_dir))
     ds = _slice_users(ds, max_users)
+    from gr2.evidence import SEQUENCE_DIR
+
     evidence = fit_evidence(ds, prof)
     if evidence.sequence is not None:
         evidence.sequence.save(Path(out_dir) / SEQUENCE_DIR)
@@ -199,7 +200,7 @@ def candidates(
 def load_evidence(sources_dir: str | Path):
     """gr2.evidence.Evidence rebuilt from the item feature table the feature store serves (no skew), and the
     `sequence` feature's models ingest saved beside it."""
-    from gr2.evidence import Evidence
+    from gr2.evidence import SEQUENCE_DIR, Evidence
     from gr2.sequential import SequenceFeature
 
     src = Path(sources_dir)

@@ -134,7 +134,8 @@ class DiffusionConfig:
     eval_tau: float = 0.9
     # The operating tau chosen on validation (gr2/stages/opd_rl.py `operating_tau`): after RL, the lowest of `taus`
     # whose R@1 on validation lists (half of them cut to 2..N-1 candidates, as clients send) is within tau_margin
-    # of the AR teacher's on the same lists, at validity >= gate.min_validity. None: eval_tau, as set above.
+    # of the AR teacher's on the same lists, at validity >= gate.min_validity; when none is, the lowest within it of
+    # the student's own best tau (`choose_tau`). None: eval_tau, as set above.
     tau_margin: float | None = 0.005
     # The spec decoder's draft threshold. spec's output is AR's whatever the draft (gr2/decode.py spec_generate), so
     # this only trades draft forwards against verifier forwards: chosen on validation speed (docs/RESULTS.md,

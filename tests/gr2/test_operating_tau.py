@@ -1,5 +1,5 @@
 """The operating tau's rule (gr2/stages/opd_rl.py `choose_tau`): the lowest tau within the margin of `ar` on
-validation, at the gate's minimum validity; the highest when none is. The DAG test (tests/pipelines) runs the
+validation, at the gate's minimum validity; when none is, the lowest within the margin of the student's best. The DAG test (tests/pipelines) runs the
 whole choice on a real student."""
 
 from gr2.stages.opd_rl import choose_tau
@@ -23,6 +23,17 @@ def test_validity_below_the_gates_minimum_rules_a_tau_out():
     assert choose_tau(AR, c, 0.005, 0.99) == (0.9, True)
 
 
-def test_no_tau_within_the_margin_gives_the_highest():
+def test_no_tau_within_the_margin_gives_the_lowest_as_good_as_the_students_best():
     c = curve((0.4, 0.250, 1.0), (0.9, 0.280, 1.0))
+    assert choose_tau(AR, c, 0.005, 0.99) == (0.9, False)  # 0.4 is worse than the student at 0.9
+    # below `ar` at every tau, and flat: the slowest tau buys nothing (Beauty at 5bb07a2)
+    c = curve((0.4, 0.292, 1.0), (0.6, 0.293, 1.0), (0.9, 0.290, 1.0), (1.0, 0.290, 1.0))
+    assert choose_tau(AR, c, 0.005, 0.99) == (0.4, False)
+    # an invalid tau is not the student's best, however it scores
+    c = curve((0.4, 0.299, 0.90), (0.6, 0.280, 1.0), (0.9, 0.286, 1.0))
+    assert choose_tau(AR, c, 0.005, 0.99) == (0.9, False)
+
+
+def test_no_valid_tau_gives_the_highest():
+    c = curve((0.4, 0.300, 0.5), (0.9, 0.300, 0.9))
     assert choose_tau(AR, c, 0.005, 0.99) == (0.9, False)

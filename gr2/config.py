@@ -309,7 +309,7 @@ class RLConfig:
     # and says so in its bundle metadata ("validation"). RL that raises the training reward can lower recall on
     # lists it never saw (docs/RESULTS.md, 'AR RL'). The student's operating tau is chosen on the same lists. Why
     # thousands: on 500 a paired R@1 difference has a standard error near 0.015, three times the tau rule's margin,
-    # and both the guard and the chooser flipped on noise (docs/RESULTS.md, 'The operating tau').
+    # and both the guard and the chooser flipped on noise (docs/RESULTS.md, 'AR RL').
     val_lists: int = 5000
 
     def __post_init__(self) -> None:

@@ -396,11 +396,11 @@ def choose_tau(ar: dict, curve: list[dict], margin: float, min_validity: float) 
 def operating_tau(student: GenerativeReranker, val: pd.DataFrame, profile: Profile) -> dict[str, Any]:
     """The student's operating tau, chosen on validation (profile.diffusion.tau_margin): the lowest tau of
     diffusion.taus whose recall@1 on `val` (half of it cut to 2..N-1 candidates) is at least the AR teacher's on
-    the same lists minus tau_margin, with validity >= gate.min_validity; when none is, the lowest within the margin of
-    the student's own best (`choose_tau`). The AR
-    teacher's answers are the `spec` decoder's (its tokens are the verifier's AR greedy ones). Returns the
-    choice, its curve, and the student in bfloat16 at the chosen tau under the same rule ("bfloat16": its
-    figures and "within"); without a margin, validation lists or the verifier, the profile's eval_tau."""
+    the same lists minus tau_margin, with validity >= gate.min_validity; when none is, the lowest within the margin
+    of the student's own best (`choose_tau`). The AR teacher's answers are the `spec` decoder's (its tokens are the
+    verifier's AR greedy ones). Returns the choice, its curve, and the student in bfloat16 at the chosen tau under
+    the same rule ("bfloat16": its figures and "within"); without a margin, validation lists or the verifier, the
+    profile's eval_tau."""
     dc = profile.diffusion
     if dc.tau_margin is None or val.empty or student.verifier is None:
         why = (

@@ -1,6 +1,6 @@
 """The operating tau's rule (gr2/stages/opd_rl.py `choose_tau`): the lowest tau within the margin of `ar` on
-validation, at the gate's minimum validity; when none is, the lowest within the margin of the student's best. The DAG test (tests/pipelines) runs the
-whole choice on a real student."""
+validation, at the gate's minimum validity; when none is, the lowest within the margin of the student's best. The
+DAG test (tests/pipelines) runs the whole choice on a real student."""
 
 from gr2.stages.opd_rl import choose_tau
 

@@ -62,6 +62,10 @@ def ingest(
     """Load a dataset (name, path, or an event log s3://... read as of `snapshot_date`), compute event times
     and write the sources folder. For an event log, meta.json's `objects` lists every object read, with its
     ETag (components/event_log.py), so the night can be replayed."""
+    from gr2.evidence import (
+        SEQUENCE_DIR,
+    )  # here, as fit_evidence's import: torch stays out of this module's import
+
     t0 = time.perf_counter()
     prof = as_profile(profile)
     # An unset snapshot date is the run's own UTC date: every night's data is stamped with its real date.
@@ -74,8 +78,6 @@ def ingest(
     else:
         ds = load_dataset(resolve_dataset(dataset, cache_dir))
     ds = _slice_users(ds, max_users)
-    from gr2.evidence import SEQUENCE_DIR
-
     evidence = fit_evidence(ds, prof)
     if evidence.sequence is not None:
         evidence.sequence.save(Path(out_dir) / SEQUENCE_DIR)

@@ -84,13 +84,15 @@ format: install ## apply ruff fixes and formatting
 compile: install ## compile the KFP pipeline to YAML (build/pipeline.yaml), naming the images $(REGISTRY)/...:$(TAG)
 	GR2_REGISTRY=$(REGISTRY) GR2_IMAGE_TAG=$(TAG) $(PY) -m pipelines.cli pipeline compile --output build/pipeline.yaml
 
-# The gated diffusion model of the newest run (override: make serve MODEL=path/to/bundle).
-bundle_named = $(shell grep -l '"name": "$(1)"' runs/latest/kfp/*/*/model/bundle/reranker.json 2>/dev/null | head -1 | xargs -r dirname)
+# The gated diffusion model of the newest run (override: make serve MODEL=path/to/bundle). runs/latest resolved,
+# so a report that records these paths still names the same run after the next one.
+LATEST_RUN := $(shell realpath --relative-to=. runs/latest 2>/dev/null)
+bundle_named = $(shell grep -l '"name": "$(1)"' $(LATEST_RUN)/kfp/*/*/model/bundle/reranker.json 2>/dev/null | head -1 | xargs -r dirname)
 MODEL ?= $(call bundle_named,rl)
 # The AR teacher (SFT + RL) of that run: the load test's AR baseline.
 AR_MODEL ?= $(call bundle_named,ar)
-FEAST_REPO ?= $(shell ls -td runs/latest/kfp/*/materialize/feature_store 2>/dev/null | head -1)
-EXAMPLES ?= $(shell ls -td runs/latest/kfp/*/candidates/examples 2>/dev/null | head -1)
+FEAST_REPO ?= $(shell ls -td $(LATEST_RUN)/kfp/*/materialize/feature_store 2>/dev/null | head -1)
+EXAMPLES ?= $(shell ls -td $(LATEST_RUN)/kfp/*/candidates/examples 2>/dev/null | head -1)
 
 serve: install ## serve the newest run's model on 127.0.0.1:8080 (predictor + Feast transformer on 8081)
 	@test -n "$(MODEL)" || { echo "no model: run 'make run' first or pass MODEL=<bundle dir>"; exit 2; }

@@ -178,9 +178,10 @@ def operating_tau_markdown(chosen: dict | None) -> list[str]:
             f"In bfloat16 at tau {half['tau']:.2f}: R@1 {half['recall@1']:.3f} ({half['recall@1'] - ar['recall@1']:+.3f}), "
             f"validity {half['validity']:.3f}: "
             + (
-                "within the rule, so serving `--dtype auto` decodes it in bf16 on CPUs with bf16 units."
+                "within the rule that chose the tau, so serving `--dtype auto` decodes it in bf16 on CPUs "
+                "with bf16 units."
                 if half["within"]
-                else "not within the rule, so serving decodes it in float32."
+                else "not within the rule that chose the tau, so serving decodes it in float32."
             ),
         ]
     return out

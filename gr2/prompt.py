@@ -4,8 +4,9 @@ Prompt (whitespace-separated closed-vocabulary tokens). Per candidate: its label
 item_tokens "candidates" also its semantic ID, with "all" also the history's semantic IDs (oldest -> newest):
     candidates [A] <trans_3> <trec_1> <co_1> <pop_2> <cat_0> <sim_1> <rank_0> [B] ...              (none)
     history <a_3> <b_17> <c_9> <d_0> ... candidates [A] <a_..> <b_..> <c_..> <d_..> <trans_3> ... [B] ...   (all)
+With last_first (the profiles' default) the candidates come from the last label down: ... [B] ... [A] <trans_3> ...
 Response = trace then answer (the answer is valid JSON once the tokens are joined by spaces). The trace is the
-reasoning teacher's verdict on each candidate, in prompt order: a score level 0 (weak) .. L-1 (strongest):
+reasoning teacher's verdict on each candidate, in label order: a score level 0 (weak) .. L-1 (strongest):
     [A] <score_5> [B] <score_0> [C] <score_7> ... [J] <score_2> { "ranking" : [ "C" , "A" , ... ] }
 """
 
@@ -76,7 +77,7 @@ def score_token(level: int) -> str:
 
 
 def render_trace(score_levels: Sequence[int]) -> str:
-    """The trace: every candidate's label followed by its score level, in prompt order.
+    """The trace: every candidate's label followed by its score level, in label order ([A] first).
 
     Why this trace: scoring a candidate only needs that candidate's own evidence (a local computation), and the
     answer then orders explicit score tokens. Without the trace the answer's first token has to score and
@@ -140,16 +141,22 @@ def render_prompt(
     evidence_buckets: np.ndarray | Sequence[Sequence[int]],
     feature_names: Sequence[str] | None = None,
     item_tokens: str = "all",
+    *,
+    last_first: bool = False,
 ) -> str:
     """Prompt text: per candidate its label and evidence buckets; `item_tokens` says which semantic IDs are
-    shown too ("none", "candidates": each candidate's, "all": also the history's, oldest -> newest)."""
+    shown too ("none", "candidates": each candidate's, "all": also the history's, oldest -> newest).
+    `last_first`: the candidates from the last label to [A], so that each candidate sits at the same distance
+    from the prompt's end, and from its trace entry, whatever the list's length (PromptConfig.last_first)."""
     if item_tokens not in ITEM_TOKENS:
         raise ValueError(f"item_tokens must be one of {ITEM_TOKENS}, got {item_tokens!r}")
     buckets = np.asarray(evidence_buckets, dtype=np.int64).reshape(len(candidate_sids), -1)
     aliases = feature_aliases(feature_names, buckets.shape[1])
     parts = [HISTORY, *(_sid_text(s) for s in history_sids)] if item_tokens == "all" else []
     parts.append(CANDIDATES)
-    for i, sid in enumerate(candidate_sids):
+    order = range(len(candidate_sids) - 1, -1, -1) if last_first else range(len(candidate_sids))
+    for i in order:
+        sid = candidate_sids[i]
         ev = " ".join(bucket_token(a, b) for a, b in zip(aliases, buckets[i], strict=True))
         item = f" {_sid_text(sid)}" if item_tokens != "none" else ""
         parts.append(f"{label_token(i)}{item} {ev}".rstrip())
@@ -163,10 +170,14 @@ def encode_prompt(
     evidence_buckets: np.ndarray | Sequence[Sequence[int]],
     feature_names: Sequence[str] | None = None,
     item_tokens: str = "all",
+    *,
+    last_first: bool = False,
 ) -> list[int]:
     """<bos> + the prompt's token ids: the one tokenisation of a prompt, for training and serving alike.
     Raises if any token falls outside the vocabulary: a silent <unk> would train or serve garbage."""
-    text = render_prompt(history_sids, candidate_sids, evidence_buckets, feature_names, item_tokens)
+    text = render_prompt(
+        history_sids, candidate_sids, evidence_buckets, feature_names, item_tokens, last_first=last_first
+    )
     return [tokenizer.bos_token_id, *_encode(tokenizer, text)]
 
 
@@ -209,6 +220,7 @@ def encode_example(
     answer_weight: float = 1.0,
     trace_weight: float = 0.5,
     item_tokens: str = "all",
+    last_first: bool = False,
 ) -> tuple[list[int], list[int], list[float]]:
     """(prompt_ids, response_ids, response_weights): `encode_prompt`; trace + answer + <eos>.
 
@@ -216,7 +228,13 @@ def encode_example(
     Raises if any token falls outside the vocabulary: a silent <unk> would train on garbage.
     """
     p_ids = encode_prompt(
-        tokenizer, history_sids, candidate_sids, evidence_buckets, feature_names, item_tokens
+        tokenizer,
+        history_sids,
+        candidate_sids,
+        evidence_buckets,
+        feature_names,
+        item_tokens,
+        last_first=last_first,
     )
     t_ids = _encode(tokenizer, trace) if trace else []
     a_ids = [*_encode(tokenizer, render_answer(ranking)), tokenizer.eos_token_id]

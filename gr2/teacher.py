@@ -5,7 +5,7 @@ model over the evidence features (transition from the last/recent items, co-occu
 popularity, category overlap, title similarity, retriever rank), their squares and pairwise products, fit on
 TRAINING lists. It writes every SFT target:
 
-- the trace: its verdict on every candidate, a score level 0..L-1 in prompt order (gr2/prompt.py
+- the trace: its verdict on every candidate, a score level 0..L-1 in label order (gr2/prompt.py
   `render_trace`). The levels are quantiles of the training candidates' scores, finer at the top, where the
   answer's first label is decided;
 - the answer (TeacherConfig.answer): "teacher", the teacher's own ranking: the answer orders the verdicts the
@@ -292,6 +292,7 @@ def build_sft_records(
             answer_weight=cfg.sft.answer_weight,
             trace_weight=cfg.sft.trace_weight,
             item_tokens=item_tokens,
+            last_first=cfg.prompt.last_first,
         )
         records.append(SFTRecord(p, resp, w))
         trace_len.append(len(trace.split()) if trace else 0)  # whitespace word-level: one token per word

@@ -113,11 +113,17 @@ def test_sft_loss_falls_and_bundle_serves(pipeline):
 
 
 def _candidate_segments(model, ids):
-    """Each candidate's tokens after its letter (SID + evidence buckets), in prompt order."""
+    """Each candidate's tokens after its letter (SID + evidence buckets), in letter order ([A] first)."""
     letters = {model.tokenizer.convert_tokens_to_ids(label_token(i)): i for i in range(model.n_candidates)}
     starts = [k for k, t in enumerate(ids) if t in letters]
-    assert [letters[ids[k]] for k in starts] == list(range(model.n_candidates))
-    return [ids[a + 1 : b] for a, b in zip(starts, [*starts[1:], len(ids)], strict=True)]
+    shown = [letters[ids[k]] for k in starts]  # the prompt lists them last first (PromptConfig.last_first)
+    assert shown == list(range(model.n_candidates))[:: -1 if model.last_first else 1]
+    segments = dict(
+        zip(
+            shown, [ids[a + 1 : b] for a, b in zip(starts, [*starts[1:], len(ids)], strict=True)], strict=True
+        )
+    )
+    return [segments[i] for i in range(model.n_candidates)]
 
 
 def test_shuffled_rl_prompts_move_letters_not_evidence(pipeline):

@@ -80,6 +80,25 @@ def test_item_tokens_choose_which_semantic_ids_the_prompt_shows(tok):
         render_prompt(hist, cands, buckets, FEATURE_NAMES, "some")
 
 
+def test_last_first_lists_candidates_from_the_last_label_with_their_own_evidence(tok):
+    hist, cands, buckets = _example(np.random.default_rng(0))
+    n_ev = len(FEATURE_NAMES)
+    first = render_prompt(hist, cands, buckets, FEATURE_NAMES, "none").split()
+    last = render_prompt(hist, cands, buckets, FEATURE_NAMES, "none", last_first=True).split()
+    assert [w for w in last if w.startswith("[")] == [f"[{c}]" for c in "JIHGFEDCBA"]
+    assert sorted(first) == sorted(last)  # the same tokens, candidate blocks in the other order
+    for k in range(10):  # each candidate keeps its own buckets, and sits k + 1 blocks before the end
+        label = f"[{chr(ord('A') + k)}]"
+        i, j = last.index(label), first.index(label)
+        assert last[i + 1 : i + 1 + n_ev] == first[j + 1 : j + 1 + n_ev]
+        assert last[i + 1] == f"<trans_{buckets[k, 0]}>" and len(last) - i == (k + 1) * (1 + n_ev)
+    # a shorter list: [A] still (0 + 1) blocks from the end, so a trace entry reads it at the same distance
+    short = render_prompt(hist, cands[:4], buckets[:4], FEATURE_NAMES, "none", last_first=True).split()
+    assert len(short) - short.index("[A]") == 1 + n_ev
+    ids = encode_prompt(tok, hist, cands, buckets, FEATURE_NAMES, "none", last_first=True)
+    assert tok.decode(ids[1:]).split() == last
+
+
 def test_trace_names_every_candidate_with_its_score_level(tok):
     words = TRACE.split()
     assert words[::2] == [f"[{c}]" for c in "ABCDEFGHIJ"]

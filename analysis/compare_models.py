@@ -6,6 +6,7 @@ bootstrap samples as the profile), with B in the place of the floor:
 
     python -m analysis.compare_models --run runs/latest --a ar --b ar_sft --split test
     python -m analysis.compare_models --run runs/latest --a ar --b ltr --split test
+    python -m analysis.compare_models --run runs/latest --a ar --b ltr --split val --length 5   (lists cut to 5)
 
 A or B may also be a bundle folder (one with reranker.json: a model trained outside the DAG on the run's
 sft_data, e.g. `gr2 train-ar --sft-data <run>/kfp/*/prepare-sft/sft_data --profile <variant>`), so that a recipe
@@ -37,6 +38,7 @@ from analysis.output import print_json, provenance
 from analysis.speed_check import load_models, split_lists
 from components._lib.paths import repo_relative
 from components._lib.steps import LTR_DIR
+from gr2.candidates import cut_lists
 from gr2.evidence import Evidence
 from gr2.ltr import LTRModel
 from gr2.metrics import evaluate
@@ -82,8 +84,14 @@ def feature_rankings(run: Path, name: str, df: pd.DataFrame) -> list[list[int]]:
     return LTRModel.load(run_folder(run, f"kfp/*/evaluate-floor/report/{LTR_DIR}")).rank(x)
 
 
-def compare(run: Path, a: str, b: str, split: str, tau: float | None = None, limit: int = 0) -> dict:
+def compare(
+    run: Path, a: str, b: str, split: str, tau: float | None = None, limit: int = 0, length: int = 0
+) -> dict:
     profile, df = split_lists(run, split, limit)
+    if (
+        length
+    ):  # the lists cut as the report's by-length table cuts them (gr2/stages/evaluate.py `length_rows`)
+        df = cut_lists(df, [length] * len(df), profile.seed)
     models = load_models(run, [n for n in (a, b) if n not in FEATURE_RANKERS])
     taus = {name: getattr(m, "tau", None) if tau is None else tau for name, m in models.items()}
     ranks = {name: rankings(m, df, taus[name], profile)[0] for name, m in models.items()}
@@ -106,6 +114,7 @@ def compare(run: Path, a: str, b: str, split: str, tau: float | None = None, lim
         "a": a,
         "b": b,
         "split": split,
+        "length": length or None,
         "tau": taus.get(a),
         "n": len(df),
         "metrics": metrics,
@@ -125,10 +134,16 @@ def main(argv: list[str] | None = None) -> dict:
         "--tau", type=float, help="diffusion commit threshold (default: each model's operating tau)"
     )
     ap.add_argument("--limit", type=int, default=0, help="only the split's first N lists (0: all)")
+    ap.add_argument(
+        "--length",
+        type=int,
+        default=0,
+        help="each list cut to this many candidates, the held-out item kept (0: as they are)",
+    )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     res = provenance("analysis.compare_models", argv) | compare(
-        Path(args.run).resolve(), args.a, args.b, args.split, args.tau, args.limit
+        Path(args.run).resolve(), args.a, args.b, args.split, args.tau, args.limit, args.length
     )
     print_json(res, args.out)
     return res

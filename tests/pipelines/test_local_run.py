@@ -240,6 +240,14 @@ def test_local_run_writes_report(tmp_path):
     assert net == pytest.approx(cmp["n"] * r1["delta"])
     assert t["label_first"]["lists"] + t["label_not_first"]["lists"] == cmp["n"]
     assert json.loads((tmp_path / "c.json").read_text()) == cmp
+    # --length: the lists cut as the report's by-length table cuts them, so its rows come back
+    short = min(r["length"] for r in rep["by_length"])
+    cut = compare_models(["--run", str(tmp_path / "smoke"), "--a", "rl", "--b", "ar", "--length", str(short)])
+    by_len = {(r["model"], r["length"]): r["recall@1"] for r in rep["by_length"]}
+    assert cut["length"] == short and cut["n"] == floor["n_users"]
+    assert (cut["metrics"]["recall@1"]["rl"], cut["metrics"]["recall@1"]["ar"]) == pytest.approx(
+        (by_len[("rl", short)], by_len[("ar", short)])
+    )
     # a bundle folder in place of a name (a recipe trained by hand on the run's sft_data), on the first lists
     rl_dir = str(find_bundles(tmp_path / "smoke", ["rl"])["rl"])
     head = [

@@ -88,9 +88,8 @@ def compare(
     run: Path, a: str, b: str, split: str, tau: float | None = None, limit: int = 0, length: int = 0
 ) -> dict:
     profile, df = split_lists(run, split, limit)
-    if (
-        length
-    ):  # the lists cut as the report's by-length table cuts them (gr2/stages/evaluate.py `length_rows`)
+    # --length: the lists cut as the report's by-length table cuts them (gr2/stages/evaluate.py `length_rows`)
+    if length:
         df = cut_lists(df, [length] * len(df), profile.seed)
     models = load_models(run, [n for n in (a, b) if n not in FEATURE_RANKERS])
     taus = {name: getattr(m, "tau", None) if tau is None else tau for name, m in models.items()}

@@ -59,10 +59,14 @@ $(SMOLLM2_GGUF): | install
 	test -s $@
 
 smoke-pretrained: install $(SMOLLM2_GGUF) ## whole DAG on a 40-user slice with the pretrained SmolLM2-135M backbone (CPU, 5-7.5 min; CI runs it)
-	rm -rf runs/smoke-pretrained
-	timeout 600 $(PY) -m pipelines.run_local --profile profiles/smollm2.yaml --dataset ml-100k \
+	rm -rf runs/smoke-pretrained && mkdir -p runs
+	@# the log is kept, and on failure its first traceback (the failing step's own) is printed last, where CI's
+	@# tail shows it: a task's error otherwise sits hundreds of lines above the orchestrator's "Inner task failed"
+	set -o pipefail; timeout 600 $(PY) -m pipelines.run_local --profile profiles/smollm2.yaml --dataset ml-100k \
 		--max-users 40 --bounds-json '{"min_examples": 10}' --runs-dir runs --run-id smoke-pretrained \
-		--command "make smoke-pretrained"
+		--command "make smoke-pretrained" 2>&1 | tee runs/smoke-pretrained.log \
+	|| { echo "smoke-pretrained FAILED; the first traceback in runs/smoke-pretrained.log:"; \
+	     grep -m1 -B3 -A45 Traceback runs/smoke-pretrained.log; exit 1; }
 	@# every training stage ran and every model has its row (a gate FAIL is expected after 3 training steps)
 	$(PY) -c 'import json, sys; r = json.load(open("runs/smoke-pretrained/report.json")); \
 	  stages = {"ar_sft", "ar", "cft", "opd", "rl"}; rows = {x["model"] for x in r["rows"]}; \

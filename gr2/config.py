@@ -196,13 +196,14 @@ class PromptConfig:
     # Semantic IDs shown in the prompt: "none" (labels and evidence buckets only), "candidates" (+ each
     # candidate's SID), "all" (+ the history's SIDs). Chosen on validation (docs/RESULTS.md, 'The SFT recipe').
     item_tokens: str = "none"
-    # The prompt lists the candidates last label first ([J] .. [A]; the trace and answer keep A..J). Why: the
-    # model reads a candidate's evidence by its distance from the trace entry it writes, and with [A] first a
-    # shorter list moves every distance: the AR teacher of lists of 10 wrote wrong traces for lists of 5 and 7
-    # (validation R@1 0.06-0.07 below `ltr` there). Last first, candidate k sits (k + 1) candidates before the
-    # prompt's end at every length. Beauty gained at every length; ML-100K gained 0.02-0.04 at 5 and lost 0.014-0.018
-    # at 10 (validation, two seeds; docs/RESULTS.md, 'Candidates last first').
-    last_first: bool = True
+    # How a list shorter than N is laid out (gr2/prompt.py SHORT_LISTS). Why: the model reads a candidate's evidence
+    # by its distance from the trace entry it writes, and with [A] first and nothing after the last candidate
+    # ("as_is") a shorter list moves every distance: the AR teacher of lists of 10 wrote wrong traces for lists of
+    # 5 and 7 (validation R@1 0.06-0.07 below `ltr` there). "fill" puts <empty> tokens where the absent candidates
+    # would sit, so every candidate keeps a full list's distances and a list of N is what it was; "last_first" lists
+    # them from the last label down (the same distance at every length, but a list of N changes: ML-100K lost
+    # 0.014-0.018 at 10). docs/RESULTS.md, 'Short lists'.
+    short_lists: str = "fill"
     # Decode the answer as a permutation: every decoder writes each candidate's label at most once (gr2/rules.py
     # `unique`). Without it parallel decoding writes one label at two ranks of one block (docs/RESULTS.md, 'The
     # permutation rule').

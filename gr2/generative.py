@@ -74,7 +74,9 @@ class BundlePrompt:
     max_labels: int = 26
     score_levels: int = 8
     item_tokens: str = "all"
-    last_first: bool = False  # bundles before the candidates were listed last first
+    short_lists: str = (
+        "as_is"  # bundles before short lists were laid out as long ones (gr2/prompt.py SHORT_LISTS)
+    )
     unique_labels: bool = False  # bundles before the permutation rule: no rule
     follow_trace: bool = False  # bundles before the trace rule: no rule
     fixed_layout: bool = False  # bundles before the layout rule: no rule
@@ -215,7 +217,7 @@ class GenerativeReranker:
         self.max_new_tokens, self.batch_size = config.max_new_tokens, config.batch_size
         # The ranker of users without usable history (gr2/stages/prepare.py fit_cold_start)
         self.cold_start = Teacher.from_dict(config.cold_start) if config.cold_start else None
-        self.item_tokens, self.last_first = config.prompt.item_tokens, config.prompt.last_first
+        self.item_tokens, self.short_lists = config.prompt.item_tokens, config.prompt.short_lists
         # what every decoder of this model applies
         self.rules = decode_rules(self.tokenizer, config.prompt, trace=config.variant != "ar_no_trace")
         k = range(config.prompt.max_labels)
@@ -374,7 +376,8 @@ class GenerativeReranker:
                     b,
                     self.evidence.feature_names,
                     self.item_tokens,
-                    last_first=self.last_first,
+                    short_lists=self.short_lists,
+                    n_full=self.n_candidates,
                 )
             )
         return prompts

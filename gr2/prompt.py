@@ -4,7 +4,8 @@ Prompt (whitespace-separated closed-vocabulary tokens). Per candidate: its label
 item_tokens "candidates" also its semantic ID, with "all" also the history's semantic IDs (oldest -> newest):
     candidates [A] <trans_3> <trec_1> <co_1> <pop_2> <cat_0> <sim_1> <rank_0> [B] ...              (none)
     history <a_3> <b_17> <c_9> <d_0> ... candidates [A] <a_..> <b_..> <c_..> <d_..> <trans_3> ... [B] ...   (all)
-With last_first (the profiles' default) the candidates come from the last label down: ... [B] ... [A] <trans_3> ...
+A list shorter than N (short_lists "fill", the profiles' default) is filled with <empty> tokens where its absent
+candidates would sit: candidates [A] ... [E] ... <empty> <empty> ... (as many as a candidate has, per absent one).
 Response = trace then answer (the answer is valid JSON once the tokens are joined by spaces). The trace is the
 reasoning teacher's verdict on each candidate, in label order: a score level 0 (weak) .. L-1 (strongest):
     [A] <score_5> [B] <score_0> [C] <score_7> ... [J] <score_2> { "ranking" : [ "C" , "A" , ... ] }
@@ -24,6 +25,10 @@ from gr2.sid import sid_token
 
 # --- vocabulary pieces --------------------------------------------------------------------------------------
 HISTORY, CANDIDATES = "history", "candidates"
+EMPTY = "<empty>"  # fills an absent candidate's tokens when short lists are filled to N (SHORT_LISTS "fill")
+# How a list shorter than N is laid out (PromptConfig.short_lists): "as_is" (its candidates, [A] first), "last_first"
+# (from its last label down to [A]), "fill" ([A] first, then EMPTY tokens where candidates n..N-1 would sit).
+SHORT_LISTS = ("as_is", "last_first", "fill")
 JSON_TOKENS = ["{", "}", '"ranking"', ":", "[", "]", ","]
 ITEM_TOKENS = ("none", "candidates", "all")  # which semantic IDs a prompt shows (PromptConfig.item_tokens)
 
@@ -127,6 +132,7 @@ def format_vocabulary(
     toks += [label_token(i) for i in range(max_labels)] + [answer_label_token(i) for i in range(max_labels)]
     toks += [bucket_token(a, b) for a in aliases for b in range(n_buckets)]
     toks += [score_token(level) for level in range(score_levels)]
+    toks.append(EMPTY)
     return list(dict.fromkeys(toks))  # de-duplicate, keep order
 
 
@@ -142,24 +148,31 @@ def render_prompt(
     feature_names: Sequence[str] | None = None,
     item_tokens: str = "all",
     *,
-    last_first: bool = False,
+    short_lists: str = "as_is",
+    n_full: int = 0,
 ) -> str:
     """Prompt text: per candidate its label and evidence buckets; `item_tokens` says which semantic IDs are
     shown too ("none", "candidates": each candidate's, "all": also the history's, oldest -> newest).
-    `last_first`: the candidates from the last label to [A], so that each candidate sits at the same distance
-    from the prompt's end, and from its trace entry, whatever the list's length (PromptConfig.last_first)."""
+    `short_lists` (SHORT_LISTS) lays out a list shorter than `n_full` (N) so that candidate k sits as far from the
+    prompt's end, and from its trace entry, as in a list of N ("fill") or at every length ("last_first")."""
     if item_tokens not in ITEM_TOKENS:
         raise ValueError(f"item_tokens must be one of {ITEM_TOKENS}, got {item_tokens!r}")
-    buckets = np.asarray(evidence_buckets, dtype=np.int64).reshape(len(candidate_sids), -1)
+    if short_lists not in SHORT_LISTS:
+        raise ValueError(f"short_lists must be one of {SHORT_LISTS}, got {short_lists!r}")
+    if short_lists == "fill" and n_full < 1:
+        raise ValueError(f"short_lists 'fill' needs the full list's length n_full, got {n_full}")
+    n = len(candidate_sids)
+    buckets = np.asarray(evidence_buckets, dtype=np.int64).reshape(n, -1)
     aliases = feature_aliases(feature_names, buckets.shape[1])
     parts = [HISTORY, *(_sid_text(s) for s in history_sids)] if item_tokens == "all" else []
     parts.append(CANDIDATES)
-    order = range(len(candidate_sids) - 1, -1, -1) if last_first else range(len(candidate_sids))
-    for i in order:
+    for i in range(n - 1, -1, -1) if short_lists == "last_first" else range(n):
         sid = candidate_sids[i]
         ev = " ".join(bucket_token(a, b) for a, b in zip(aliases, buckets[i], strict=True))
         item = f" {_sid_text(sid)}" if item_tokens != "none" else ""
         parts.append(f"{label_token(i)}{item} {ev}".rstrip())
+    if short_lists == "fill" and n_full > n:  # as many EMPTY as a candidate has tokens, for each absent one
+        parts += [" ".join([EMPTY] * len(parts[-1].split()))] * (n_full - n)
     return " ".join(parts)
 
 
@@ -171,12 +184,19 @@ def encode_prompt(
     feature_names: Sequence[str] | None = None,
     item_tokens: str = "all",
     *,
-    last_first: bool = False,
+    short_lists: str = "as_is",
+    n_full: int = 0,
 ) -> list[int]:
     """<bos> + the prompt's token ids: the one tokenisation of a prompt, for training and serving alike.
     Raises if any token falls outside the vocabulary: a silent <unk> would train or serve garbage."""
     text = render_prompt(
-        history_sids, candidate_sids, evidence_buckets, feature_names, item_tokens, last_first=last_first
+        history_sids,
+        candidate_sids,
+        evidence_buckets,
+        feature_names,
+        item_tokens,
+        short_lists=short_lists,
+        n_full=n_full,
     )
     return [tokenizer.bos_token_id, *_encode(tokenizer, text)]
 
@@ -220,7 +240,8 @@ def encode_example(
     answer_weight: float = 1.0,
     trace_weight: float = 0.5,
     item_tokens: str = "all",
-    last_first: bool = False,
+    short_lists: str = "as_is",
+    n_full: int = 0,
 ) -> tuple[list[int], list[int], list[float]]:
     """(prompt_ids, response_ids, response_weights): `encode_prompt`; trace + answer + <eos>.
 
@@ -234,7 +255,8 @@ def encode_example(
         evidence_buckets,
         feature_names,
         item_tokens,
-        last_first=last_first,
+        short_lists=short_lists,
+        n_full=n_full,
     )
     t_ids = _encode(tokenizer, trace) if trace else []
     a_ids = [*_encode(tokenizer, render_answer(ranking)), tokenizer.eos_token_id]

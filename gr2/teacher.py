@@ -292,7 +292,8 @@ def build_sft_records(
             answer_weight=cfg.sft.answer_weight,
             trace_weight=cfg.sft.trace_weight,
             item_tokens=item_tokens,
-            last_first=cfg.prompt.last_first,
+            short_lists=cfg.prompt.short_lists,
+            n_full=cfg.data.n_candidates,
         )
         records.append(SFTRecord(p, resp, w))
         trace_len.append(len(trace.split()) if trace else 0)  # whitespace word-level: one token per word

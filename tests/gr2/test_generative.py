@@ -116,8 +116,8 @@ def _candidate_segments(model, ids):
     """Each candidate's tokens after its letter (SID + evidence buckets), in letter order ([A] first)."""
     letters = {model.tokenizer.convert_tokens_to_ids(label_token(i)): i for i in range(model.n_candidates)}
     starts = [k for k, t in enumerate(ids) if t in letters]
-    shown = [letters[ids[k]] for k in starts]  # the prompt lists them last first (PromptConfig.last_first)
-    assert shown == list(range(model.n_candidates))[:: -1 if model.last_first else 1]
+    shown = [letters[ids[k]] for k in starts]  # [A] first, unless the bundle lists them last first
+    assert shown == list(range(model.n_candidates))[:: -1 if model.short_lists == "last_first" else 1]
     segments = dict(
         zip(
             shown, [ids[a + 1 : b] for a, b in zip(starts, [*starts[1:], len(ids)], strict=True)], strict=True

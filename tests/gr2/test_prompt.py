@@ -8,11 +8,13 @@ import pytest
 from gr2.evidence import FEATURE_NAMES
 from gr2.prompt import (
     DUPLICATE,
+    EMPTY,
     MISSING_ANSWER,
     OMITTED,
     OUT_OF_SET,
     UNPARSEABLE,
     WRONG_LENGTH,
+    bucket_token,
     encode_example,
     encode_prompt,
     feature_aliases,
@@ -80,23 +82,48 @@ def test_item_tokens_choose_which_semantic_ids_the_prompt_shows(tok):
         render_prompt(hist, cands, buckets, FEATURE_NAMES, "some")
 
 
-def test_last_first_lists_candidates_from_the_last_label_with_their_own_evidence(tok):
+def test_short_lists_keep_each_candidate_at_a_full_lists_distance_from_the_prompts_end(tok):
     hist, cands, buckets = _example(np.random.default_rng(0))
-    n_ev = len(FEATURE_NAMES)
-    first = render_prompt(hist, cands, buckets, FEATURE_NAMES, "none").split()
-    last = render_prompt(hist, cands, buckets, FEATURE_NAMES, "none", last_first=True).split()
+    n_ev, block = len(FEATURE_NAMES), 1 + len(FEATURE_NAMES)  # a candidate's tokens: its label, its buckets
+
+    def words(n, short_lists):
+        return render_prompt(
+            hist, cands[:n], buckets[:n], FEATURE_NAMES, "none", short_lists=short_lists, n_full=10
+        ).split()
+
+    def distance(w, k):  # tokens from candidate k's label to the prompt's end
+        return len(w) - w.index(f"[{chr(ord('A') + k)}]")
+
+    full = words(10, "as_is")
+    assert words(10, "fill") == full  # a full list is what it was
+    for n in (2, 4, 7):
+        fill, as_is = words(n, "fill"), words(n, "as_is")
+        assert fill[: len(as_is)] == as_is and fill[len(as_is) :] == [EMPTY] * ((10 - n) * block)
+        assert [distance(fill, k) for k in range(n)] == [distance(full, k) for k in range(n)]
+        assert distance(as_is, 0) == n * block  # what "fill" is for: as_is moves every distance with n
+    last = words(10, "last_first")
     assert [w for w in last if w.startswith("[")] == [f"[{c}]" for c in "JIHGFEDCBA"]
-    assert sorted(first) == sorted(last)  # the same tokens, candidate blocks in the other order
+    assert sorted(full) == sorted(last)  # the same tokens, candidate blocks in the other order
     for k in range(10):  # each candidate keeps its own buckets, and sits k + 1 blocks before the end
-        label = f"[{chr(ord('A') + k)}]"
-        i, j = last.index(label), first.index(label)
-        assert last[i + 1 : i + 1 + n_ev] == first[j + 1 : j + 1 + n_ev]
-        assert last[i + 1] == f"<trans_{buckets[k, 0]}>" and len(last) - i == (k + 1) * (1 + n_ev)
-    # a shorter list: [A] still (0 + 1) blocks from the end, so a trace entry reads it at the same distance
-    short = render_prompt(hist, cands[:4], buckets[:4], FEATURE_NAMES, "none", last_first=True).split()
-    assert len(short) - short.index("[A]") == 1 + n_ev
-    ids = encode_prompt(tok, hist, cands, buckets, FEATURE_NAMES, "none", last_first=True)
-    assert tok.decode(ids[1:]).split() == last
+        i, j = last.index(f"[{chr(ord('A') + k)}]"), full.index(f"[{chr(ord('A') + k)}]")
+        assert (
+            last[i + 1 : i + 1 + n_ev]
+            == full[j + 1 : j + 1 + n_ev]
+            == [
+                bucket_token(a, b)
+                for a, b in zip(feature_aliases(FEATURE_NAMES, n_ev), buckets[k], strict=True)
+            ]
+        )
+        assert distance(last, k) == (k + 1) * block
+    assert distance(words(4, "last_first"), 0) == block
+    ids = encode_prompt(
+        tok, hist, cands[:3], buckets[:3], FEATURE_NAMES, "none", short_lists="fill", n_full=10
+    )
+    assert tok.decode(ids[1:]).split() == words(3, "fill") and tok.unk_token_id not in ids
+    with pytest.raises(ValueError, match="short_lists"):
+        render_prompt(hist, cands, buckets, FEATURE_NAMES, "none", short_lists="pad")
+    with pytest.raises(ValueError, match="n_full"):
+        render_prompt(hist, cands, buckets, FEATURE_NAMES, "none", short_lists="fill")
 
 
 def test_trace_names_every_candidate_with_its_score_level(tok):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from gr2.evidence import FEATURE_NAMES
-from gr2.prompt import render_answer
+from gr2.prompt import EMPTY, render_answer
 from gr2.tokenizer import SPECIAL_TOKENS, build_tokenizer, build_vocab, load_tokenizer
 
 SIZES = (8, 8, 8, 3)
@@ -21,7 +21,9 @@ def test_vocab_layout():
     sid = re.compile(r"^<[abcd]_\d+>$")
     score = [t for t in vocab if t.startswith("<score_")]
     assert score == [f"<score_{k}>" for k in range(8)]
-    buckets = [t for t in vocab if t.startswith("<") and not sid.match(t) and t not in SPECIAL_TOKENS + score]
+    assert EMPTY in vocab  # what fills an absent candidate's tokens in a short list (PromptConfig.short_lists)
+    others = SPECIAL_TOKENS + score + [EMPTY]
+    buckets = [t for t in vocab if t.startswith("<") and not sid.match(t) and t not in others]
     assert len(buckets) == len(FEATURE_NAMES) * 4
 
 

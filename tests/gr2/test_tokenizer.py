@@ -21,7 +21,9 @@ def test_vocab_layout():
     sid = re.compile(r"^<[abcd]_\d+>$")
     score = [t for t in vocab if t.startswith("<score_")]
     assert score == [f"<score_{k}>" for k in range(8)]
-    assert EMPTY in vocab  # what fills an absent candidate's tokens in a short list (PromptConfig.short_lists)
+    assert (
+        EMPTY in vocab
+    )  # what fills an absent candidate's tokens in a short list (PromptConfig.short_lists)
     others = SPECIAL_TOKENS + score + [EMPTY]
     buckets = [t for t in vocab if t.startswith("<") and not sid.match(t) and t not in others]
     assert len(buckets) == len(FEATURE_NAMES) * 4

@@ -74,9 +74,8 @@ class BundlePrompt:
     max_labels: int = 26
     score_levels: int = 8
     item_tokens: str = "all"
-    short_lists: str = (
-        "as_is"  # bundles before short lists were laid out as long ones (gr2/prompt.py SHORT_LISTS)
-    )
+    # bundles before short lists were laid out as long ones (gr2/prompt.py SHORT_LISTS)
+    short_lists: str = "as_is"
     unique_labels: bool = False  # bundles before the permutation rule: no rule
     follow_trace: bool = False  # bundles before the trace rule: no rule
     fixed_layout: bool = False  # bundles before the layout rule: no rule

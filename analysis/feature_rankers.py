@@ -12,6 +12,9 @@ there, never on test):
 - `teacher_raw`: the same conditional logit fitted here on the raw evidence of the run's training lists;
 - `ltr+teacher`, `ltr+teacher_raw`: w * ltr + (1 - w) * the other, each score standardised within its list. w is
   chosen on one half of the lists and scored on the other (both ways), so the blend's figure is out of sample.
+- with `--nn-seeds` > 0, networks trained on the training lists' held-out items (analysis/listwise_ranker.py, the
+  mean of that many seeds' scores): `mlp`, each candidate from its own evidence and list context as `ltr`, and
+  `listwise`, with attention across the list: how far the evidence alone goes, the list's share apart;
 - with `--seq-epochs` > 0, the history as a sequence: `seq`, a SASRec fitted here on the run's training sequences
   (gr2/sequential.py; not a feature ranker: it reads item ids), and its blends `ltr+seq`, `teacher+seq`.
 
@@ -30,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.compare_models import run_folder
+from analysis.listwise_ranker import SHAPES, ListwiseConfig, fit_listwise
 from analysis.output import print_json, provenance
 from components._lib.paths import repo_relative
 from components._lib.sources import read_dataset
@@ -104,6 +108,25 @@ def feature_scores(
     }
 
 
+def network_scores(
+    run: Path, train: pd.DataFrame, df: pd.DataFrame, seeds: int, seed: int
+) -> dict[str, np.ndarray]:
+    """[L, N] scores of df's lists by each network shape (`analysis.listwise_ranker.SHAPES`), the mean of `seeds`
+    fits on the training lists' raw evidence; a row past a list's end scores -inf."""
+    evidence = Evidence.load(run_folder(run, "kfp/*/prepare-sft/sft_data") / "evidence")
+    x, x_train = list_features(evidence, df), list_features(evidence, train)
+    n, n_train = (np.array([len(c) for c in d["candidates"]]) for d in (df, train))
+    labels = train["label"].to_numpy()
+    out = {}
+    for shape in SHAPES:
+        fits = [
+            fit_listwise(x_train, n_train, labels, ListwiseConfig(shape=shape), seed + k)
+            for k in range(seeds)
+        ]
+        out[shape] = np.mean([f.scores(x, n) for f in fits], axis=0)
+    return out
+
+
 def sequence_scores(run: Path, profile: Profile, df: pd.DataFrame, epochs: int) -> np.ndarray:
     """[L, N] SASRec scores of df's lists, the model fitted on the training sequences the run's evidence was
     (gr2.data.split.train_sequences: no validation or test item)."""
@@ -114,7 +137,7 @@ def sequence_scores(run: Path, profile: Profile, df: pd.DataFrame, epochs: int) 
     return model.scores(list(df["history"]), list(df["candidates"]))
 
 
-def compare(run: Path, split: str, seq_epochs: int = 0) -> dict:
+def compare(run: Path, split: str, seq_epochs: int = 0, nn_seeds: int = 0) -> dict:
     profile, examples = run_profile(run), run_examples(run)
     df, train = (examples[examples["split"] == s].reset_index(drop=True) for s in (split, "train"))
     if df.empty or train.empty:
@@ -122,6 +145,8 @@ def compare(run: Path, split: str, seq_epochs: int = 0) -> dict:
     labels = df["label"].to_numpy()
     scores = feature_scores(run, profile, train, df)
     blends = [("ltr", "teacher"), ("ltr", "teacher_raw")]
+    if nn_seeds > 0:
+        scores |= network_scores(run, train, df, nn_seeds, profile.seed)
     if seq_epochs > 0:
         scores["seq"] = sequence_scores(run, profile, df, seq_epochs)
         blends += [("ltr", "seq"), ("teacher", "seq")]
@@ -149,6 +174,7 @@ def compare(run: Path, split: str, seq_epochs: int = 0) -> dict:
         "split": split,
         "n": len(df),
         "seq_epochs": seq_epochs,
+        "nn_seeds": nn_seeds,
         "blend_weights_of_first": weights,
         "rankers": rows,
     }
@@ -161,10 +187,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--seq-epochs", type=int, default=0, help="also fit a SASRec for this many epochs (0: no `seq` rows)"
     )
+    ap.add_argument(
+        "--nn-seeds",
+        type=int,
+        default=0,
+        help="also fit the `mlp` and `listwise` networks, each this many seeds",
+    )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     res = provenance("analysis.feature_rankers", argv) | compare(
-        Path(args.run).resolve(), args.split, args.seq_epochs
+        Path(args.run).resolve(), args.split, args.seq_epochs, args.nn_seeds
     )
     print_json(res, args.out)
     return res

@@ -268,13 +268,17 @@ def test_local_run_writes_report(tmp_path):
         (rows[("teacher", None)]["recall@1"], rows[("ltr", None)]["recall@1"])
     )
     # and analysis/feature_rankers.py scores them alike; each row's difference from ltr is its own minus ltr's
-    fr = feature_rankers(["--run", str(tmp_path / "smoke"), "--split", "test", "--seq-epochs", "1"])
+    fr = feature_rankers(
+        ["--run", str(tmp_path / "smoke"), "--split", "test", "--seq-epochs", "1", "--nn-seeds", "1"]
+    )
     got = {k: v["recall@1"] for k, v in fr["rankers"].items()}
     assert (got["teacher"]["value"], got["ltr"]["value"]) == pytest.approx((r1["teacher"], r1["ltr"]))
     assert set(got) == {"ltr", "teacher", "teacher_raw", "ltr+teacher", "ltr+teacher_raw"} | {
         "seq",
         "ltr+seq",
         "teacher+seq",
+        "mlp",
+        "listwise",
     }
     for row in got.values():
         assert row["minus_ltr"] == pytest.approx(row["value"] - got["ltr"]["value"])

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.output import print_json, provenance
+from analysis.output import emit
 from analysis.speed_check import load_models, split_lists
 from components._lib.paths import repo_relative
 from components._lib.steps import LTR_DIR
@@ -141,11 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
-    res = provenance("analysis.compare_models", argv) | compare(
-        Path(args.run).resolve(), args.a, args.b, args.split, args.tau, args.limit, args.length
-    )
-    print_json(res, args.out)
-    return res
+    result = compare(Path(args.run).resolve(), args.a, args.b, args.split, args.tau, args.limit, args.length)
+    return emit("analysis.compare_models", argv, result, args.out)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import pandas as pd
 
 from analysis.compare_models import run_folder
 from analysis.listwise_ranker import SHAPES, ListwiseConfig, fit_listwise
-from analysis.output import print_json, provenance
+from analysis.output import emit
 from components._lib.paths import repo_relative
 from components._lib.sources import read_dataset
 from components._lib.steps import LTR_DIR
@@ -195,11 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
-    res = provenance("analysis.feature_rankers", argv) | compare(
-        Path(args.run).resolve(), args.split, args.seq_epochs, args.nn_seeds
-    )
-    print_json(res, args.out)
-    return res
+    result = compare(Path(args.run).resolve(), args.split, args.seq_epochs, args.nn_seeds)
+    return emit("analysis.feature_rankers", argv, result, args.out)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,13 @@ def run_record(run: Path, report: dict) -> dict:
     }
 
 
+def emit(module: str, argv: list[str] | None, result: dict, out: str | None) -> dict:
+    """What a main returns: `result` under its provenance header, printed (and written to `out` when given)."""
+    res = provenance(module, argv) | result
+    print_json(res, out)
+    return res
+
+
 def print_json(result: Any, out: str | None) -> None:
     text = json.dumps(result, indent=2)
     if out:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from analysis.output import print_json, provenance, run_record
+from analysis.output import emit, run_record
 from analysis.speed_check import find_bundles, split_lists
 from gr2.stages.evaluate import load
 
@@ -90,11 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--limit", type=int, default=0, help="only the split's first N lists (0: all)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
-    res = provenance("analysis.spec_check", argv) | check(
-        Path(args.run).resolve(), args.draft, args.split, args.tau, args.limit
-    )
-    print_json(res, args.out)
-    return res
+    result = check(Path(args.run).resolve(), args.draft, args.split, args.tau, args.limit)
+    return emit("analysis.spec_check", argv, result, args.out)
 
 
 if __name__ == "__main__":

@@ -83,44 +83,49 @@ def cross_fitted_blend(
 
 
 def feature_scores(
-    run: Path, profile: Profile, train: pd.DataFrame, df: pd.DataFrame
+    run: Path,
+    profile: Profile,
+    evidence: Evidence,
+    x: np.ndarray,
+    x_train: np.ndarray,
+    train_labels: np.ndarray,
 ) -> dict[str, np.ndarray]:
-    """[L, N] scores of each feature-only ranker on df's lists (module docstring), on prepare-sft's evidence; the
-    raw-evidence logit is fitted on the `train` lists."""
-    sft = run_folder(run, "kfp/*/prepare-sft/sft_data")
-    evidence = Evidence.load(sft / "evidence")
-    x, x_train = list_features(evidence, df), list_features(evidence, train)
+    """[L, N] scores of each feature-only ranker on the lists of `x` (their evidence; module docstring); the
+    raw-evidence logit is fitted on the training lists (`x_train`, `train_labels`)."""
     raw = fit_teacher(
         x_train,
-        train["label"].to_numpy(),
+        train_labels,
         evidence.feature_names,
         dataclasses.replace(profile.teacher, inputs="raw"),
         profile.prompt.score_levels,
         profile.seed,
     )
     ltr = LTRModel.load(run_folder(run, f"kfp/*/evaluate-floor/report/{LTR_DIR}"))
+    teacher = Teacher.load(run_folder(run, "kfp/*/prepare-sft/sft_data") / "teacher.json")
     return {
         "ltr": np.log(
             np.clip(ltr.scores(x), 1e-12, 1.0)
         ),  # log: the probability's order, a scale to standardise
-        "teacher": Teacher.load(sft / "teacher.json").scores(x),
+        "teacher": teacher.scores(x),
         "teacher_raw": raw.scores(x),
     }
 
 
 def network_scores(
-    run: Path, train: pd.DataFrame, df: pd.DataFrame, seeds: int, seed: int
+    x: np.ndarray,
+    n: np.ndarray,
+    x_train: np.ndarray,
+    n_train: np.ndarray,
+    train_labels: np.ndarray,
+    seeds: int,
+    seed: int,
 ) -> dict[str, np.ndarray]:
-    """[L, N] scores of df's lists by each network shape (`analysis.listwise_ranker.SHAPES`), the mean of `seeds`
-    fits on the training lists' raw evidence; a row past a list's end scores -inf."""
-    evidence = Evidence.load(run_folder(run, "kfp/*/prepare-sft/sft_data") / "evidence")
-    x, x_train = list_features(evidence, df), list_features(evidence, train)
-    n, n_train = (np.array([len(c) for c in d["candidates"]]) for d in (df, train))
-    labels = train["label"].to_numpy()
+    """[L, N] scores of the lists of `x` (lengths `n`) by each network shape (`analysis.listwise_ranker.SHAPES`),
+    the mean of `seeds` fits on the training lists' raw evidence; a row past a list's end scores -inf."""
     out = {}
     for shape in SHAPES:
         fits = [
-            fit_listwise(x_train, n_train, labels, ListwiseConfig(shape=shape), seed + k)
+            fit_listwise(x_train, n_train, train_labels, ListwiseConfig(shape=shape), seed + k)
             for k in range(seeds)
         ]
         out[shape] = np.mean([f.scores(x, n) for f in fits], axis=0)
@@ -143,10 +148,14 @@ def compare(run: Path, split: str, seq_epochs: int = 0, nn_seeds: int = 0) -> di
     if df.empty or train.empty:
         raise SystemExit(f"no examples in split {split!r} or in train")
     labels = df["label"].to_numpy()
-    scores = feature_scores(run, profile, train, df)
+    evidence = Evidence.load(run_folder(run, "kfp/*/prepare-sft/sft_data") / "evidence")
+    x, x_train = list_features(evidence, df), list_features(evidence, train)  # once: every ranker reads them
+    train_labels = train["label"].to_numpy()
+    scores = feature_scores(run, profile, evidence, x, x_train, train_labels)
     blends = [("ltr", "teacher"), ("ltr", "teacher_raw")]
     if nn_seeds > 0:
-        scores |= network_scores(run, train, df, nn_seeds, profile.seed)
+        n, n_train = (np.array([len(c) for c in d["candidates"]]) for d in (df, train))
+        scores |= network_scores(x, n, x_train, n_train, train_labels, seeds=nn_seeds, seed=profile.seed)
     if seq_epochs > 0:
         scores["seq"] = sequence_scores(run, profile, df, seq_epochs)
         blends += [("ltr", "seq"), ("teacher", "seq")]

@@ -45,6 +45,10 @@ def list_inputs(x: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.where(mask[..., None], out, 0.0).astype(np.float32), mask
 
 
+def _standardised(z: np.ndarray, mask: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    return np.where(mask[..., None], (z - mean) / std, 0.0).astype(np.float32)
+
+
 class ListScorer(nn.Module):
     """Per-candidate embedding, optional self-attention across the list (no positions: the retriever rank is a
     feature), a score per candidate; rows past a list's end score -inf."""
@@ -81,7 +85,7 @@ class ListwiseRanker:
     def scores(self, x: np.ndarray, n: np.ndarray) -> np.ndarray:
         """[L, N] log-softmax scores of each list's candidates (-inf past its end)."""
         z, mask = list_inputs(x, n)
-        z = np.where(mask[..., None], (z - self.mean) / self.std, 0.0).astype(np.float32)
+        z = _standardised(z, mask, self.mean, self.std)
         self.net.eval()
         with torch.no_grad():
             return self.net(torch.from_numpy(z), torch.from_numpy(mask)).log_softmax(-1).numpy()
@@ -96,13 +100,13 @@ def fit_listwise(
     torch.manual_seed(seed)
     z, mask = list_inputs(x, n)
     mean, std = z[mask].mean(axis=0), z[mask].std(axis=0) + 1e-6
-    z = np.where(mask[..., None], (z - mean) / std, 0.0).astype(np.float32)
+    z = _standardised(z, mask, mean, std)
     order = rng.permutation(len(labels))
     held, fit_rows = order[: int(len(order) * cfg.holdout)], order[int(len(order) * cfg.holdout) :]
     zt, mt, yt = torch.from_numpy(z), torch.from_numpy(mask), torch.as_tensor(labels, dtype=torch.long)
     net = ListScorer(z.shape[-1], cfg)
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=1e-4)
-    best, best_state, best_epoch, epoch = -1.0, None, 0, 0
+    best, best_state, best_epoch = -1.0, None, 0
     for epoch in range(1, cfg.max_epochs + 1):
         net.train()
         rng.shuffle(fit_rows)

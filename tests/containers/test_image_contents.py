@@ -9,6 +9,7 @@ import json
 import os
 import re
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -123,17 +124,36 @@ def test_role_modules_import(role, images, docker_client):
     )
 
 
-def test_gpu_image_refuses_a_cpu_torch(images):
-    """Built here with the lock's CPU torch, the GPU image needs REQUIRE_CUDA=0; by default its own check stops the
-    build (the last step only: the layers before it come from the cache)."""
-    env = {**os.environ, "REQUIRE_CUDA": "1", "TAG": images["train-gpu"].rsplit(":", 1)[1] + "-cudacheck"}
-    r = subprocess.run(
-        [str(ROOT / "scripts" / "images.sh"), "train-gpu"],
+def images_sh(role: str, **env: str) -> subprocess.CompletedProcess:
+    """`scripts/images.sh role` with `env` on top of this environment (TAG: a throwaway tag of the tests' own)."""
+    return subprocess.run(
+        [str(ROOT / "scripts" / "images.sh"), role],
         cwd=ROOT,
-        env=env,
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=1800,
     )
+
+
+def test_gpu_image_refuses_a_cpu_torch(images):
+    """Built here with the lock's CPU torch, the GPU image needs REQUIRE_CUDA=0; by default its own check stops the
+    build (the last step only: the layers before it come from the cache)."""
+    r = images_sh("train-gpu", REQUIRE_CUDA="1", TAG=images["train-gpu"].rsplit(":", 1)[1] + "-cudacheck")
     out = r.stdout + r.stderr
     assert r.returncode != 0 and CUDA_ASSERT in out and "AssertionError" in out, out[-3000:]
+
+
+def test_a_rebuild_for_a_new_commit_names_it(images, docker_client):
+    """The steps' reports name the commit their image was built from (GR2_GIT_SHA). A new commit that changes no
+    copied file rebuilds from the cache but for the last steps, and its image must name the new commit: podman
+    4.3's cache once kept the old one (a cached ENV step, keyed without its argument's value), and CI's
+    containerized DAG reported the commit before. A fresh value each run, so no earlier run's cache can pass."""
+    repo, tag = images["serve"].rsplit(":", 1)
+    ref, sha = f"{repo}:{tag}-shacheck", f"shacheck-{uuid.uuid4().hex[:12]}"
+    r = images_sh("serve", TAG=f"{tag}-shacheck", GR2_GIT_SHA=sha)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    try:  # the image's configured environment, as each step's container gets it
+        assert f"GR2_GIT_SHA={sha}" in docker_client.images.get(ref).attrs["Config"]["Env"]
+    finally:
+        docker_client.images.remove(ref)
